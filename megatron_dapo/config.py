@@ -1,0 +1,474 @@
+"""Typed run configuration: dataclasses, loaded from YAML with dotted CLI overrides, validated up front.
+
+    cfg = load_config("demo_cpu", overrides=["algo.eps_high=0.3", "train.steps=5"])
+
+A recipe is a YAML file (or the name of one in ``megatron_dapo/recipes/``) whose top-level sections match
+``DapoConfig``'s fields. Every error names the key and where it came from (file or command line), e.g.
+``ConfigError: recipes/demo_cpu.yaml: algo.eps_low = 1.5: must be in (0, 1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+MODEL_CONFIGS_DIR = PACKAGE_DIR.parent / "model_configs"  # top level of the repository (editable install)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and its source."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Architecture (model_configs/*.yaml)
+
+
+@dataclass
+class ArchConfig:
+    """A decoder-only transformer architecture, in the terms HF config.json and megatron-core share."""
+
+    name: str = "tiny"
+    family: Literal["qwen2", "llama"] = "qwen2"  # selects the bridge mapping table
+    num_layers: int = 2
+    hidden_size: int = 128
+    ffn_hidden_size: int = 512
+    num_attention_heads: int = 4
+    num_query_groups: int = 2  # KV heads (GQA); == num_attention_heads for MHA
+    kv_channels: int | None = None  # head dim; default hidden_size // num_attention_heads
+    vocab_size: int = 32  # the real vocabulary; the actor pads it for TP
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    tie_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run configuration sections
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "tiny"  # name in megatron_dapo/model_configs/ or a path to an architecture YAML
+    hf_init: str | None = None  # start from this HF checkpoint directory (safetensors)
+    load: str | None = None  # start from this megatron checkpoint directory
+    tokenizer: str | None = None  # HF tokenizer dir; None = the char tokenizer of the synthetic task
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    fp8: Literal["e4m3", "hybrid"] | None = None  # GPU + Transformer Engine only
+    fp8_recipe: Literal["delayed", "blockwise"] = "delayed"
+    recompute: Literal["selective", "full"] | None = None
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # auto = TE when importable on GPU
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1  # context parallel: GPU + TE only
+    sequence_parallel: bool = False  # GPU + TE only
+    distributed_optimizer: bool | None = None  # None = on for GPU, off on CPU
+    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch (per CP group)
+    logprob_chunk_tokens: int = 1024  # tokens per chunk of the vocab-parallel log-softmax
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_new_tokens: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "sglang"] = "hf"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    weight_sync: Literal["copy", "cuda_ipc", "nccl", "disk"] = "copy"
+    bucket_mb: int = 512
+    verify_sync: Literal["checksum", "sample", "off"] = "checksum"
+    logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
+    # SGLang (GPU)
+    server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
+    sglang_tp: int = 1
+    mem_fraction: float = 0.6
+    colocate: bool = True
+    server_timeout_s: float = 600.0
+    max_concurrency: int = 512
+
+
+@dataclass
+class AlgoConfig:
+    group_size: int = 16  # G: responses per prompt
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher; = eps_low for naive GRPO/PPO
+    clip_c: float | None = 10.0  # dual clip for A < 0; None = off
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    adv_eps: float = 1e-6
+    overlong_penalty: bool = True  # soft overlong punishment
+    overlong_cache: int = 4096  # L_cache
+    overlong_penalty_factor: float = 1.0
+    overlong_filter: bool = False  # mask truncated samples out of the loss
+    dynamic_sampling: bool = True
+    gen_batch_prompts: int = 1536  # prompts generated per round (DAPO: 3 x B)
+    max_gen_batches: int = 10  # <= 0: unbounded
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet in the DAPO schema
+    synthetic: Literal["add2", "none"] = "none"  # generate a synthetic verifiable task instead of files
+    synthetic_train_size: int = 20000
+    synthetic_eval_size: int = 200
+    max_prompt_len: int = 2048
+    shuffle: bool = True
+    apply_chat_template: bool = True
+
+
+@dataclass
+class EvalConfig:
+    files: list[str] = field(default_factory=list)
+    interval: int = 0  # steps; 0 = only at the end
+    n: int = 32  # samples per prompt (avg@n)
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: int | None = None  # None = rollout.sampling.max_new_tokens
+    greedy: bool = False  # one greedy sample instead of n samples
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_prompts: int = 512  # B: kept prompts (groups) per step
+    mini_batch_prompts: int = 32  # prompts per optimizer update -> batch_prompts / mini_batch_prompts updates
+    lr: float = 1e-6
+    min_lr: float | None = None  # None = constant after warmup
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    save_interval: int = 50  # steps; 0 = only at the end
+    keep_checkpoints: int = 2
+    export_hf: bool = True  # also write an HF checkpoint at the end
+    run_dir: str = "runs"
+    name: str = "dapo"
+    wandb_project: str | None = None
+    supervised_warmup_steps: int = 0  # optional SFT warm start on the synthetic task (demo)
+    supervised_lr: float = 1e-3
+
+
+@dataclass
+class ClusterConfig:
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    rollout_nodes: int = 0  # disaggregated: nodes running SGLang servers
+    container_image: str | None = None  # pyxis --container-image
+    container_mounts: list[str] = field(default_factory=list)
+    nccl_socket_ifname: str | None = None
+    ib_hca: str | None = None
+    master_port: int = 29500
+    server_port: int = 30000
+
+
+@dataclass
+class DapoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    @property
+    def num_updates(self) -> int:
+        return self.train.batch_prompts // self.train.mini_batch_prompts
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.data.max_prompt_len + self.rollout.sampling.max_new_tokens
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts, with type checks that name the key
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (recursing into dataclasses and lists); return the typed value."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(a) for a in typing.get_args(tp))
+            raise ConfigError(f"{source}: {key} = {value!r}: must be one of {choices}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            if isinstance(value, str):  # a single path given on the command line
+                value = [value]
+            else:
+                raise ConfigError(f"{source}: {key} = {value!r}: expected a list")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected a mapping of {tp.__name__} fields")
+        return _from_dict(tp, value, source, prefix=key + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected a string")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def _from_dict(cls: type, data: dict, source: str, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            close = [n for n in names if n.startswith(str(key)[:3])]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            raise ConfigError(f"{source}: {prefix}{key}: unknown key{hint}; known: {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"command line: {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"algo.eps_high=0.3"`` -> ``("algo.eps_high", 0.3)``; the value is parsed as YAML (``null``, ``[a, b]``…)."""
+    if "=" not in text:
+        raise ConfigError(f"command line: {text!r}: expected key=value (e.g. algo.eps_high=0.3)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"command line: {key}: cannot parse {raw!r}: {e}") from e
+    return key.strip(), value
+
+
+def resolve_recipe(name_or_path: str | Path) -> Path:
+    """A recipe name (``demo_cpu``) or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        return path
+    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown recipe {name_or_path!r}; known recipes: {known} (or give a path to a YAML file)")
+    return candidate
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> DapoConfig:
+    """Load a recipe (name or path), apply ``key=value`` overrides, validate; raise ``ConfigError`` naming the key."""
+    data: dict = {}
+    source = "defaults"
+    if recipe is not None:
+        path = resolve_recipe(recipe)
+        data = _read_yaml(path)
+        source = str(path)
+    # Check the file alone first, so that an error in it is reported against the file, not the command line.
+    _from_dict(DapoConfig, data, source)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+        _from_dict(DapoConfig, data, f"command line ({key})")
+    cfg = _from_dict(DapoConfig, data, source)
+    validate(cfg, source)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: DapoConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Architectures
+
+
+def resolve_arch_path(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"model config file not found: {path}")
+        return path
+    candidate = MODEL_CONFIGS_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown model config {name_or_path!r}; known: {known} (or give a path to a YAML file)")
+    return candidate
+
+
+def load_arch(name_or_path: str | Path) -> ArchConfig:
+    path = resolve_arch_path(name_or_path)
+    arch = _from_dict(ArchConfig, _read_yaml(path), str(path))
+    validate_arch(arch, str(path))
+    return arch
+
+
+def validate_arch(a: ArchConfig, source: str) -> None:
+    def bad(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{source}: {key} = {getattr(a, key)!r}: {msg}")
+
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size"):
+        if getattr(a, key) < 1:
+            raise bad(key, "must be >= 1")
+    if a.kv_channels is None and a.hidden_size % a.num_attention_heads:
+        raise bad("hidden_size", f"must be divisible by num_attention_heads ({a.num_attention_heads})")
+    if a.num_attention_heads % a.num_query_groups:
+        raise bad("num_query_groups", f"must divide num_attention_heads ({a.num_attention_heads})")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation of a whole run configuration
+
+
+def validate(cfg: DapoConfig, source: str = "config") -> None:
+    """Reject impossible values before any compute; every message names the key."""
+
+    def fail(key: str, value: Any, msg: str) -> None:
+        raise ConfigError(f"{source}: {key} = {value!r}: {msg}")
+
+    a, t, p, r, d = cfg.algo, cfg.train, cfg.parallel, cfg.rollout, cfg.data
+    if not 0 < a.eps_low < 1:
+        fail("algo.eps_low", a.eps_low, "must be in (0, 1)")
+    if a.eps_high <= 0:
+        fail("algo.eps_high", a.eps_high, "must be > 0")
+    if a.clip_c is not None and a.clip_c <= 1:
+        fail("algo.clip_c", a.clip_c, "dual-clip constant must be > 1 (or null to turn it off)")
+    if a.group_size < 1:
+        fail("algo.group_size", a.group_size, "must be >= 1")
+    if a.dynamic_sampling and a.group_size < 2:
+        fail("algo.group_size", a.group_size, "dynamic sampling needs at least 2 responses per prompt")
+    if a.adv_eps <= 0:
+        fail("algo.adv_eps", a.adv_eps, "must be > 0")
+    if a.overlong_penalty and a.overlong_cache <= 0:
+        fail("algo.overlong_cache", a.overlong_cache, "must be > 0 when algo.overlong_penalty is on")
+    if a.overlong_penalty and r.sampling.max_new_tokens <= a.overlong_cache:
+        fail(
+            "rollout.sampling.max_new_tokens",
+            r.sampling.max_new_tokens,
+            f"the max response length must exceed algo.overlong_cache ({a.overlong_cache})",
+        )
+    if a.gen_batch_prompts < 1:
+        fail("algo.gen_batch_prompts", a.gen_batch_prompts, "must be >= 1")
+    if not a.dynamic_sampling and a.gen_batch_prompts < t.batch_prompts:
+        fail("algo.gen_batch_prompts", a.gen_batch_prompts, f"must be >= train.batch_prompts ({t.batch_prompts})")
+    if t.batch_prompts < 1:
+        fail("train.batch_prompts", t.batch_prompts, "must be >= 1")
+    if t.mini_batch_prompts < 1 or t.batch_prompts % t.mini_batch_prompts:
+        fail("train.mini_batch_prompts", t.mini_batch_prompts, f"must divide train.batch_prompts ({t.batch_prompts})")
+    if t.lr <= 0:
+        fail("train.lr", t.lr, "must be > 0")
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        fail("train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
+    for key in ("steps", "warmup_steps", "save_interval", "keep_checkpoints", "supervised_warmup_steps"):
+        if getattr(t, key) < 0:
+            fail(f"train.{key}", getattr(t, key), "must be >= 0")
+    if t.grad_clip < 0:
+        fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    if not 0 <= t.weight_decay < 1:
+        fail("train.weight_decay", t.weight_decay, "must be in [0, 1)")
+    for key in ("tp", "pp", "cp"):
+        if getattr(p, key) < 1:
+            fail(f"parallel.{key}", getattr(p, key), "must be >= 1")
+    if p.max_tokens_per_micro_batch < cfg.max_seq_len:
+        fail(
+            "parallel.max_tokens_per_micro_batch",
+            p.max_tokens_per_micro_batch,
+            f"must hold one full sequence (data.max_prompt_len + rollout.sampling.max_new_tokens = {cfg.max_seq_len})",
+        )
+    if p.logprob_chunk_tokens < 1:
+        fail("parallel.logprob_chunk_tokens", p.logprob_chunk_tokens, "must be >= 1")
+    s = r.sampling
+    if s.temperature < 0:
+        fail("rollout.sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        fail("rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
+    if s.max_new_tokens < 1:
+        fail("rollout.sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
+    if r.bucket_mb < 1:
+        fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
+    if not 0 < r.mem_fraction < 1:
+        fail("rollout.mem_fraction", r.mem_fraction, "must be in (0, 1)")
+    if r.engine == "hf" and r.weight_sync != "copy":
+        fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
+    if r.engine == "sglang" and r.weight_sync == "copy":
+        fail("rollout.weight_sync", r.weight_sync, "sglang needs cuda_ipc, nccl or disk")
+    if d.max_prompt_len < 1:
+        fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
+    if d.synthetic == "none" and not d.train_files:
+        fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
+    if cfg.eval.n < 1:
+        fail("eval.n", cfg.eval.n, "must be >= 1")
+    c = cfg.cluster
+    if c.placement == "disaggregated" and not 0 < c.rollout_nodes < c.nodes:
+        fail("cluster.rollout_nodes", c.rollout_nodes, f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})")
+    resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
