@@ -254,6 +254,11 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key} = {value!r}: expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key} = {value!r}: expected a number")
         return float(value)

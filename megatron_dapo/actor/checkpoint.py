@@ -1,0 +1,141 @@
+"""Actor checkpoints with megatron-core ``dist_checkpointing``: resharding-capable (save at one TP/PP, load at another).
+
+Layout of a checkpoint directory (written to ``.<name>.tmp`` and renamed when complete, so a crash never leaves a
+directory that looks complete):
+- the ``torch_dist`` files of ``dist_checkpointing`` holding ``model`` (+ ``optimizer``, ``rng``) sharded tensors and
+  common state (``scheduler``, ``step``, ``extra``: the caller's data cursor, sampler state, ...);
+- ``dapo_meta.json``: format tag, architecture, real vocab size, dtype, the TP/PP it was written at, step.
+Parameter keys are canonical (the local layer spec's names), so a checkpoint written on CPU loads under the
+Transformer Engine spec on GPU and back: TE fuses the pre-attention / pre-MLP norms into the following linear layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dapo.actor.dist import rng_state, set_rng_state
+
+FORMAT = "megatron-dapo/1"
+META_FILE = "dapo_meta.json"
+# TE spec key suffix -> canonical (local spec) key suffix
+_TE_TO_CANONICAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def canonical_key(key: str) -> str:
+    for te, local in _TE_TO_CANONICAL.items():
+        if key.endswith(te):
+            return key[: -len(te)] + local
+    return key
+
+
+def _model_sharded_state_dict(actor) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    sd = actor.model[0].module.sharded_state_dict()
+    for value in sd.values():
+        if isinstance(value, ShardedBase):
+            value.key = canonical_key(value.key)
+    return {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+
+
+def _rng_object(state=None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def is_complete(path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def save(actor, path, extra: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd = _model_sharded_state_dict(actor)
+    state = {
+        "model": model_sd,
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd),
+        "rng": _rng_object(rng_state()),
+        "scheduler": actor.scheduler.state_dict(),
+        "step": actor.step,
+        "skipped_updates": actor.skipped_updates,
+        "extra": extra,
+    }
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {
+            "format": FORMAT,
+            "arch": dataclasses.asdict(actor.arch),
+            "vocab_size": actor.arch.vocab_size,
+            "dtype": actor.cfg.model.dtype,
+            "tp": actor.cfg.parallel.tp,
+            "pp": actor.cfg.parallel.pp,
+            "world_size": dist.get_world_size(),
+            "step": actor.step,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if path.exists():
+            old = path.parent / f".{path.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    dist.barrier()
+
+
+def load(actor, path, load_optimizer: bool = True) -> dict:
+    """Load model (and optimizer, scheduler, RNG, step when present and asked); return the caller's ``extra``."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path}: not a complete megatron-dapo checkpoint (no {META_FILE})")
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta["arch"]["vocab_size"] != actor.arch.vocab_size or meta["arch"]["num_layers"] != actor.arch.num_layers:
+        raise ValueError(f"{path}: checkpoint architecture {meta['arch']['name']} does not match {actor.arch.name}")
+    has_optimizer = "optimizer_saved" not in meta or meta["optimizer_saved"]
+    model_sd = _model_sharded_state_dict(actor)
+    request = {"model": model_sd}
+    full = load_optimizer and has_optimizer and meta.get("kind", "full") == "full"
+    if full:
+        request["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        if meta.get("world_size") == dist.get_world_size():
+            request["rng"] = _rng_object()
+    state = dist_checkpointing.load(request, str(path))
+    missing, unexpected = actor.model[0].module.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: model tensors missing {missing} / unexpected {unexpected}")
+    if full:
+        actor.optimizer.load_state_dict(state["optimizer"])
+        actor.scheduler.load_state_dict(state["scheduler"])
+        actor.step = state.get("step", 0)
+        actor.skipped_updates = state.get("skipped_updates", 0)
+        if "rng" in state:
+            set_rng_state(state["rng"])
+    return state.get("extra", {}) if full else {}

@@ -1,0 +1,146 @@
+"""megatron-core model provider: ``TransformerConfig`` + ``GPTModel`` chunks from an ``ArchConfig``.
+
+GPU with Transformer Engine importable: the TE layer spec (optional FP8, CP, sequence parallel). Otherwise the local
+(pure megatron-core) spec, with every fusion that needs TE/apex/CUDA switched off.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def have_transformer_engine() -> bool:
+    """TE is usable only with CUDA; a half-installed TE raises on import, so guard the import itself."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # broken TE install (RuntimeError, OSError): fall back to the local spec
+        return False
+    return True
+
+
+def use_transformer_engine(model_cfg: ModelConfig) -> bool:
+    impl = model_cfg.transformer_impl
+    if impl == "transformer_engine" and not have_transformer_engine():
+        raise ConfigError(
+            "model.transformer_impl = 'transformer_engine': Transformer Engine needs CUDA and a TE install"
+        )
+    return impl == "transformer_engine" or (impl == "auto" and have_transformer_engine())
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchConfig) -> None:
+    """Errors for parallel settings this machine or this architecture cannot run, naming the key."""
+    te = use_transformer_engine(model_cfg)
+    if parallel.cp > 1 and not te:
+        raise ConfigError(f"parallel.cp = {parallel.cp}: context parallel needs Transformer Engine attention (GPU)")
+    if parallel.sequence_parallel and not te:
+        raise ConfigError("parallel.sequence_parallel = true: needs Transformer Engine (GPU)")
+    if model_cfg.fp8 and not te:
+        raise ConfigError(f"model.fp8 = {model_cfg.fp8!r}: FP8 needs Transformer Engine (GPU)")
+    if arch.num_query_groups % parallel.tp:
+        raise ConfigError(
+            f"parallel.tp = {parallel.tp}: must divide the KV groups of {arch.name} ({arch.num_query_groups})"
+        )
+    if arch.num_layers % parallel.pp:
+        raise ConfigError(f"parallel.pp = {parallel.pp}: must divide the layers of {arch.name} ({arch.num_layers})")
+    if arch.ffn_hidden_size % parallel.tp:
+        raise ConfigError(f"parallel.tp = {parallel.tp}: must divide ffn_hidden_size of {arch.name}")
+
+
+def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    te = use_transformer_engine(model_cfg)
+    dtype = DTYPES[model_cfg.dtype]
+    kwargs = {}
+    if model_cfg.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    elif model_cfg.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if model_cfg.fp8:
+        kwargs.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Packed micro-batches have varying lengths; PP must exchange shapes (the alltoall dispatcher is required by
+        # megatron-core's variable_seq_lengths check even for dense models).
+        variable_seq_lengths=parallel.pp > 1,
+        moe_token_dispatcher_type="alltoall",
+        # Fusions that need TE/apex/CUDA kernels.
+        bias_activation_fusion=te,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        deallocate_pipeline_outputs=True,
+        **kwargs,
+    )
+
+
+def layer_spec(model_cfg: ModelConfig):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine(model_cfg):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(fp8=model_cfg.fp8)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> list[torch.nn.Module]:
+    """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    check_parallel(parallel, model_cfg, arch)
+    config = transformer_config(arch, model_cfg, parallel)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model_cfg),
+        vocab_size=padded_vocab_size(arch.vocab_size, parallel.tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return [model]
