@@ -62,6 +62,12 @@ def read_meta(path) -> dict:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
+def _has_optimizer_state(actor) -> bool:
+    """Adam has no state before its first update; such a checkpoint stores no optimizer tensors."""
+    opts = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    return any(len(o.optimizer.state) for o in opts)
+
+
 def save(actor, path, extra: dict) -> None:
     from megatron.core import dist_checkpointing
 
@@ -72,9 +78,10 @@ def save(actor, path, extra: dict) -> None:
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd = _model_sharded_state_dict(actor)
+    has_optimizer = _has_optimizer_state(actor)
     state = {
         "model": model_sd,
-        "optimizer": actor.optimizer.sharded_state_dict(model_sd),
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd) if has_optimizer else {},
         "rng": _rng_object(rng_state()),
         "scheduler": actor.scheduler.state_dict(),
         "step": actor.step,
@@ -86,6 +93,8 @@ def save(actor, path, extra: dict) -> None:
     if dist.get_rank() == 0:
         meta = {
             "format": FORMAT,
+            "kind": "full",  # "model" for model-only checkpoints (tools/convert_hf_to_megatron.py)
+            "optimizer_state": has_optimizer,
             "arch": dataclasses.asdict(actor.arch),
             "vocab_size": actor.arch.vocab_size,
             "dtype": actor.cfg.model.dtype,
@@ -118,12 +127,13 @@ def load(actor, path, load_optimizer: bool = True) -> dict:
         raise ValueError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta["arch"]["vocab_size"] != actor.arch.vocab_size or meta["arch"]["num_layers"] != actor.arch.num_layers:
         raise ValueError(f"{path}: checkpoint architecture {meta['arch']['name']} does not match {actor.arch.name}")
-    has_optimizer = "optimizer_saved" not in meta or meta["optimizer_saved"]
     model_sd = _model_sharded_state_dict(actor)
     request = {"model": model_sd}
-    full = load_optimizer and has_optimizer and meta.get("kind", "full") == "full"
-    if full:
+    full = load_optimizer and meta.get("kind", "full") == "full"
+    with_optimizer = full and meta.get("optimizer_state", False)
+    if with_optimizer:
         request["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    if full:
         if meta.get("world_size") == dist.get_world_size():
             request["rng"] = _rng_object()
     state = dist_checkpointing.load(request, str(path))
@@ -131,8 +141,9 @@ def load(actor, path, load_optimizer: bool = True) -> dict:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{path}: model tensors missing {missing} / unexpected {unexpected}")
-    if full:
+    if with_optimizer:
         actor.optimizer.load_state_dict(state["optimizer"])
+    if full:
         actor.scheduler.load_state_dict(state["scheduler"])
         actor.step = state.get("step", 0)
         actor.skipped_updates = state.get("skipped_updates", 0)

@@ -112,6 +112,10 @@ def _tensor_type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
     return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+def _tensor_stays_on_cpu(self, *_args, **_kwargs):
+    return self
+
+
 def apply_cpu_shims() -> bool:
     """Patch the CUDA-only calls megatron-core makes on our path. Returns True if shims were (already) applied."""
     global _APPLIED
@@ -141,5 +145,8 @@ def apply_cpu_shims() -> bool:
     # Tensor.type(): clip_grads.clip_grad_by_total_norm_fp32 asserts 'torch.cuda.FloatTensor' and
     # Float16OptimizerWithFloat16Params sorts params by 'torch.cuda.*Tensor' names.
     torch.Tensor.type = _tensor_type_as_cuda
+    # Tensor.cuda(): LanguageModule.setup_embeddings_and_output_layer moves the tied embedding copy of the last
+    # pipeline stage to CUDA before all-reducing it with the first stage's (PP > 1 with tied embeddings).
+    torch.Tensor.cuda = _tensor_stays_on_cpu
     _APPLIED = True
     return True

@@ -1,0 +1,100 @@
+"""Worker for the multi-process actor tests: `torchrun --nproc-per-node N tests/dist/actor_worker.py SCENARIO OUT [k=v...]`.
+
+Scenarios write their results (rank 0) to OUT as a torch file; the pytest side compares them.
+"""
+
+import sys
+
+import torch
+
+
+def make_cfg(**over):
+    from megatron_dapo.config import load_config
+
+    base = {
+        "data.synthetic": "add2",
+        "train.batch_prompts": 4,
+        "train.mini_batch_prompts": 2,
+        "algo.group_size": 2,
+        "algo.overlong_penalty": False,
+        "parallel.max_tokens_per_micro_batch": 64,
+        "rollout.sampling.max_new_tokens": 24,
+        "data.max_prompt_len": 16,
+        "train.lr": 1e-3,
+        "train.warmup_steps": 0,
+        "train.weight_decay": 0.0,
+        "model.arch": "tiny",
+    }
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def make_seqs(n=8, seed=0, vocab=32):
+    from megatron_dapo.actor.actor import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n):
+        length = int(torch.randint(10, 40, (1,), generator=g))
+        prompt = int(torch.randint(3, 8, (1,), generator=g))
+        seqs.append(
+            Sequence(
+                tokens=torch.randint(0, vocab, (length,), generator=g),
+                prompt_len=prompt,
+                advantage=float(torch.randn(1, generator=g)),
+            )
+        )
+    return seqs
+
+
+def full_params(actor):
+    """Gather this TP=1 model's parameters by name (rank 0 of each PP stage)."""
+    return {k: v.detach().clone() for k, v in actor.named_parameters()}
+
+
+def train_once(actor, seqs):
+    for s, lp in zip(seqs, actor.compute_logprobs(seqs)):
+        s.old_logprobs = lp
+    return actor.train_step(seqs)
+
+
+def main():
+    import torch.distributed as dist
+
+    from megatron_dapo.actor.actor import MegatronActor
+
+    scenario, out = sys.argv[1], sys.argv[2]
+    kv = dict(a.split("=", 1) for a in sys.argv[3:])
+    load = kv.pop("load", None)
+    save = kv.pop("save", None)
+    cfg = make_cfg(**kv)
+    actor = MegatronActor(cfg)
+    extra = actor.load(load) if load else None
+    seqs = make_seqs()
+    result = {}
+    if load:
+        result["extra"] = extra
+    if scenario == "init":
+        actor.save(save)
+        result["logprobs"] = actor.compute_logprobs(seqs)
+    elif scenario == "logprobs":
+        result["logprobs"] = actor.compute_logprobs(seqs)
+    elif scenario == "train":
+        result["metrics"] = train_once(actor, seqs)
+        result["params"] = full_params(actor)
+        result["logprobs"] = actor.compute_logprobs(seqs)
+        if save:
+            actor.save(save, extra={"cursor": 7})
+    elif scenario in ("continue", "two_steps"):  # two_steps: step, save, step; continue: (load) step
+        if scenario == "two_steps":
+            train_once(actor, seqs)
+            actor.save(save, extra={"cursor": 7})
+        result["metrics"] = train_once(actor, seqs)
+        result["logprobs"] = actor.compute_logprobs(seqs)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun (gloo on CPU) and fail with its output if it fails or hangs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun {script} {args} timed out after {timeout}s:\n{(e.stdout or b'')[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun {script} {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
