@@ -1,0 +1,711 @@
+"""Memory / parallelism planner: model × sequence length × cluster → the TP/PP/CP/micro-batch plan that fits.
+
+    plans = plan("qwen2.5-32b", max_prompt=2048, max_response=20480, nodes=16, gpus_per_node=8, gpu_mem_gb=80)
+    best = choose(plans)          # raises NoFeasiblePlan with the reason when nothing fits
+    print(best.explain())
+
+Every candidate (TP, PP, CP, DP, micro-batch tokens, recompute, distributed optimizer, FP8) gets a per-GPU memory
+prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough step time. Formulas (all per GPU):
+
+- Parameters: ``count_params`` is exact for our megatron-core GPTModel (see its docstring).
+- Weights 2 B/param (bf16). FP8 adds 2 B per GEMM weight of the layers (TE's FP8 copy and its transpose).
+- Gradients 4 B/param (megatron DDP's fp32 main-grad buffer; not sharded by the distributed optimizer).
+- Optimizer 12 B/param (fp32 master copy + Adam's two moments), ÷ (DP·CP) with the distributed optimizer
+  (it shards over the data-parallel-with-context-parallel group).
+- Activations: ``activation_bytes_per_token`` per layer and token (Korthikanti et al. 2022, generalized to GQA and
+  SwiGLU; it reduces to their 34·h + 5·a·s for GPT), × tokens per GPU (micro-batch tokens ÷ CP; everything ÷ TP since
+  we run sequence parallelism whenever TP > 1), × layers per stage, × micro-batches in flight: 1F1B keeps
+  min(PP − stage, micro-batches) of them on a stage, so stage 0 holds the most. Full recompute keeps only each
+  layer's input (2·h B/token) for the in-flight micro-batches, plus one layer's full activations while recomputing.
+- Logits (last stage): ``chunk`` tokens × padded_vocab/TP × 10 B (bf16 logits + fp32 log-softmax + fp32 grad), plus
+  the final hidden states gathered from sequence parallelism and their response-position copy (2 × tokens × h × 2 B).
+  This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
+  ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
+- Colocated rollout: during training SGLang has released its weights and KV cache and keeps ``rollout_residual_gb``
+  (or, with ``rollout_release=False``, its whole ``mem_fraction``). During rollout the trainer's weights, grads and
+  optimizer states stay resident (unless ``offload_train_state``) and SGLang gets ``mem_fraction`` of the GPU (or,
+  when None, what the trainer leaves); it must hold its weight shard plus a KV cache for ``min_rollout_seqs``
+  full-length sequences per engine.
+- Framework overhead: ``overhead_gb`` (CUDA context, NCCL buffers, allocator fragmentation, TE workspaces).
+- Step time: FLOPs = tokens · (8·N + recompute extra) + attention, over GPUs × peak × MFU × TP/CP efficiency,
+  stretched by the pipeline bubble, plus the gradient reduction of every optimizer update (see ``_step_time``).
+
+Ranking: feasible plans by estimated step time; within 1% prefer fewer model-parallel GPUs (TP·PP·CP), then smaller
+PP, smaller TP, the distributed optimizer, less recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+
+from megatron_dapo.config import ArchConfig, ConfigError, load_arch
+
+GiB = 1024**3
+BF16, FP32 = 2, 4
+RECOMPUTE = ("none", "selective", "full")
+# Selective recompute = megatron-core recompute_granularity="selective" with these modules; full = "full"/"uniform"/1.
+SELECTIVE_MODULES = ["core_attn", "layernorm", "mlp"]
+
+
+class NoFeasiblePlan(ValueError):
+    """No candidate fits; the message gives the closest plan and what overflows."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parameter counting
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of ``divisible_by`` · TP."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _check_split(arch: ArchConfig, tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp = {tp}, pp = {pp}: must be >= 1")
+    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(arch, key) % tp:
+            raise ValueError(f"{arch.name}: {key} = {getattr(arch, key)} is not divisible by tp = {tp}")
+    if arch.num_layers % pp:
+        raise ValueError(f"{arch.name}: num_layers = {arch.num_layers} is not divisible by pp = {pp}")
+
+
+def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
+    """Weights of the four GEMMs of one layer on one TP rank: QKV, proj, fc1 (gated: 2·ffn rows), fc2."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d * h
+    proj = h * arch.num_attention_heads * d
+    return (qkv + proj + 2 * f * h + h * f) // tp
+
+
+def layer_params(arch: ArchConfig, tp: int = 1) -> int:
+    """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias."""
+    qkv_bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim // tp if arch.qkv_bias else 0
+    return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias
+
+
+def count_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, padded_vocab: int | None = None) -> int:
+    """Parameters held by one GPU (one TP rank of pipeline stage ``pp_rank``) of our megatron-core GPTModel.
+
+    First stage: word embedding [padded_vocab/TP, h]. Every stage: num_layers/PP layers (``layer_params``).
+    Last stage: final RMSNorm [h] and the output layer [padded_vocab/TP, h] — when embeddings are untied, or when
+    they are tied and PP > 1 (megatron keeps a copy of the embedding on the last stage, kept equal by an all-reduce).
+    RoPE has no parameters. ``padded_vocab`` defaults to ``padded_vocab_size(arch.vocab_size, tp)``.
+    """
+    _check_split(arch, tp, pp)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank = {pp_rank}: must be in [0, {pp})")
+    vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(arch.vocab_size, tp)
+    if vocab % tp:
+        raise ValueError(f"padded_vocab = {vocab} is not divisible by tp = {tp}")
+    h = arch.hidden_size
+    n = arch.num_layers // pp * layer_params(arch, tp)
+    if pp_rank == 0:
+        n += vocab // tp * h
+    if pp_rank == pp - 1:
+        n += h
+        if not arch.tie_embeddings or pp > 1:
+            n += vocab // tp * h
+    return n
+
+
+def total_params(arch: ArchConfig, padded_vocab: int | None = None) -> int:
+    """The whole model (TP = PP = 1); with the real vocabulary unless ``padded_vocab`` is given."""
+    return count_params(arch, 1, 1, 0, padded_vocab if padded_vocab is not None else arch.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations
+
+
+def activation_bytes_per_token(
+    arch: ArchConfig,
+    recompute: str = "none",
+    *,
+    flash: bool = True,
+    attn_seq_len: int = 0,
+    gated: bool = True,
+    dropout: bool = False,
+) -> float:
+    """Bytes one layer keeps for the backward pass per token (16-bit activations, 1-byte dropout masks), before ÷TP.
+
+    Korthikanti et al. 2022, term by term, with q = heads·head_dim, kv = kv_heads·head_dim, f = ffn size:
+      norms:      2 inputs · 2h                                            (their 4sbh)
+      attention:  QKV input 2h + Q,K,V 2(q + 2kv) + proj input 2q + dropout mask h   (their 11sbh for MHA)
+                  + softmax 2as + its dropout mask as + dropout output 2as = 5as      (gone with flash attention)
+      MLP:        fc1 input 2h + activation input 2f·(2 if gated) + fc2 input 2f + dropout mask h   (their 19sbh)
+    With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
+    scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Qwen2/Llama: gated (SwiGLU),
+    no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
+    leaving the 2 norm inputs, Q/K/V and the proj input. Full: only the layer input, 2h.
+    """
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    mask = h if dropout else 0
+    if recompute == "full":
+        return 2 * h
+    if recompute == "selective":
+        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask
+    if recompute != "none":
+        raise ValueError(f"recompute = {recompute!r}: must be one of {', '.join(RECOMPUTE)}")
+    norms = 4 * h
+    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask
+    if not flash:
+        attention += 5 * arch.num_attention_heads * attn_seq_len
+    mlp = 2 * h + 2 * f * (2 if gated else 1) + 2 * f + mask
+    return norms + attention + mlp
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass
+class Memory:
+    """Per-GPU bytes in the training phase for one pipeline stage."""
+
+    stage: int
+    params: int
+    weights: float
+    fp8_cache: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    rollout: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.activations + self.logits + self.rollout + self.overhead
+
+    @property
+    def resident(self) -> float:
+        """What the trainer keeps between steps: weights, grads, optimizer states."""
+        return self.weights + self.fp8_cache + self.grads + self.optimizer
+
+
+@dataclass
+class Rollout:
+    """The SGLang side: its TP, memory share per GPU and KV-cache capacity per engine (tokens)."""
+
+    colocated: bool
+    sglang_tp: int
+    share: float  # bytes per GPU SGLang may use
+    mem_fraction: float
+    weights: float  # bytes per GPU
+    kv_tokens: int  # per engine
+    trainer_resident: float  # bytes the trainer keeps on the GPU during rollout
+
+
+@dataclass
+class Plan:
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batch_tokens: int
+    recompute: str
+    distributed_optimizer: bool
+    fp8: bool
+    gpu_mem_gb: float
+    usable_gb: float
+    train_gpus: int
+    memory: Memory  # worst stage
+    stage_totals: dict[int, float]  # bytes, first and last stage (the others are bounded by the first)
+    rollout: Rollout | None
+    micro_batches_per_update: int
+    pipeline_bubble: float
+    step_time_s: float
+    flops_per_step: float
+    feasible: bool = True
+    reasons: list[str] = field(default_factory=list)
+    model: str = ""
+    max_seq_len: int = 0
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory.total / GiB
+
+    def label(self) -> str:
+        return (
+            f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp} mb={self.micro_batch_tokens} "
+            f"recompute={self.recompute} distopt={'on' if self.distributed_optimizer else 'off'} "
+            f"fp8={'on' if self.fp8 else 'off'}"
+        )
+
+    def overrides(self) -> list[str]:
+        """Dotted config overrides (``load_config(..., overrides=...)``) that apply this plan."""
+        out = [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}",
+            f"parallel.distributed_optimizer={'true' if self.distributed_optimizer else 'false'}",
+            f"parallel.max_tokens_per_micro_batch={self.micro_batch_tokens}",
+            f"model.recompute={'null' if self.recompute == 'none' else self.recompute}",
+            f"model.fp8={'e4m3' if self.fp8 else 'null'}",
+        ]
+        if self.rollout is not None:
+            out += [
+                f"rollout.sglang_tp={self.rollout.sglang_tp}",
+                f"rollout.mem_fraction={self.rollout.mem_fraction:.2f}",
+            ]
+        return out
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["memory_total_gib"] = self.memory_gib
+        return d
+
+    def explain(self) -> str:
+        m, gib = self.memory, GiB
+        params_b = m.params / 1e9
+        opt_div = self.dp * self.cp if self.distributed_optimizer else 1
+        rows = [
+            ("weights", m.weights, f"{params_b:.2f} B params × 2 B (bf16)"),
+            ("fp8 weight cache", m.fp8_cache, "GEMM weights × 2 B (FP8 copy + transpose)"),
+            ("gradients", m.grads, "params × 4 B (fp32 main grads)"),
+            ("optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
+            ("activations", m.activations, f"{self.recompute} recompute, {self.micro_batch_tokens // self.cp} tok/GPU"),
+            ("logits chunk", m.logits, "chunk × vocab/TP × 10 B + final hidden states (last stage)"),
+            ("rollout (SGLang)", m.rollout, "resident during training"),
+            ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
+        ]
+        verdict = "fits" if self.feasible else "DOES NOT FIT"
+        lines = [
+            f"{self.model}: {self.label()}  ({self.train_gpus} training GPUs, max sequence {self.max_seq_len})",
+            f"training-phase memory per GPU, worst stage {m.stage} of {self.pp} (GiB):",
+        ]
+        lines += [f"  {name:<18}{value / gib:8.2f}   {why}" for name, value, why in rows]
+        lines.append(
+            f"  {'total':<18}{m.total / gib:8.2f}   of {self.usable_gb:.1f} GiB usable "
+            f"({self.usable_gb / self.gpu_mem_gb:.0%} of {self.gpu_mem_gb:g}): {verdict}"
+        )
+        if len(self.stage_totals) > 1:
+            lines.append("  per stage: " + ", ".join(f"{k}: {v / gib:.2f}" for k, v in self.stage_totals.items()))
+        r = self.rollout
+        if r is not None:
+            where = "colocated" if r.colocated else "separate nodes"
+            meanwhile = f"; trainer keeps {r.trainer_resident / gib:.1f} GiB meanwhile" if r.colocated else ""
+            lines.append(
+                f"rollout ({where}): SGLang TP{r.sglang_tp}, share {r.share / gib:.1f} GiB/GPU "
+                f"(mem_fraction {r.mem_fraction:.2f}), weights {r.weights / gib:.1f} GiB, KV cache "
+                f"{r.kv_tokens:,} tokens/engine{meanwhile}"
+            )
+        lines.append(
+            f"time: {self.micro_batches_per_update} micro-batches/update/DP rank, pipeline bubble "
+            f"{self.pipeline_bubble:.1%}, {self.flops_per_step / 1e18:.2f} EFLOP/step → ≈{self.step_time_s:.0f} s "
+            "per training step (excluding rollout)"
+        )
+        lines += [f"  ✗ {reason}" for reason in self.reasons]
+        return "\n".join(lines)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The knobs of ``plan`` (keyword arguments) besides the model and the cluster."""
+
+    colocated: bool = True  # SGLang and training share the GPUs; else SGLang runs on ``rollout_nodes``
+    rollout_nodes: int | None = None  # disaggregated only; default half the nodes
+    rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85
+    rollout_release: bool = True  # colocated SGLang releases weights + KV cache while the actor trains
+    rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA graphs, context)
+    offload_train_state: bool = False  # the trainer moves weights/grads/optimizer to the host during rollout
+    min_rollout_seqs: int = 16  # full-length sequences an SGLang engine's KV cache must hold
+    batch_prompts: int = 512  # B
+    group_size: int = 16  # G
+    mini_batch_prompts: int = 32  # prompts per optimizer update
+    mean_seq_len: float | None = None  # prompt + response, for the time estimate; default a quarter of the maximum
+    logprob_chunk_tokens: int = 1024  # 0 = the actor materializes the logits of a whole micro-batch
+    overhead_gb: float = 5.0
+    usable_fraction: float = 0.95  # a plan must fit in this fraction of the GPU
+    fp8_options: tuple[bool, ...] = (False, True)
+    flash: bool = True  # fused / flash attention (always with TE; CP needs it)
+    peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
+    mfu: float = 0.40
+    fp8_speedup: float = 1.3
+    dp_bandwidth_gbs: float = 40.0  # per GPU for the gradient collectives across nodes (×8 inside one node)
+    micro_batch_multiples: tuple[int, ...] = (1, 2, 4)  # micro-batch token budgets, × the max sequence length
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What the candidates are evaluated against: the options plus quantities derived once."""
+
+    arch: ArchConfig
+    opt: PlanOptions
+    max_seq: int
+    world: int  # training GPUs
+    gpus_per_node: int
+    gpu: float  # bytes per GPU
+    usable: float
+    mean_seq: float
+    step_tokens: float  # tokens of one training step
+    updates: int  # optimizer updates per step
+    dp_bandwidth_gbs: float
+
+
+def _rollout(job: _Job, share: float, trainer_resident: float) -> tuple[Rollout, str | None]:
+    """Pick the smallest SGLang TP whose weight shard uses ≤ half the share and whose KV cache holds
+    ``min_rollout_seqs`` full-length sequences. KV bytes/token = 2 (K, V) · layers · kv_heads · head_dim · 2 B,
+    divided by min(TP, kv_heads) per GPU (KV heads are replicated beyond that)."""
+    a = job.arch
+    weights_total = BF16 * total_params(a)
+    kv_per_token = 2 * a.num_layers * a.num_query_groups * a.head_dim * BF16
+    best = None
+    for tp in _powers_of_two(job.gpus_per_node):
+        weights = weights_total / tp
+        kv_tokens = int(max(share - weights, 0) / (kv_per_token / min(tp, a.num_query_groups)))
+        best = Rollout(job.opt.colocated, tp, share, share / job.gpu, weights, kv_tokens, trainer_resident)
+        if weights <= share / 2 and kv_tokens >= job.opt.min_rollout_seqs * job.max_seq:
+            return best, None
+    assert best is not None
+    return best, (
+        f"SGLang does not fit: {share / GiB:.1f} GiB/GPU left for rollout; at TP{best.sglang_tp} its weights take "
+        f"{best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} tokens, fewer than "
+        f"{job.opt.min_rollout_seqs} × {job.max_seq} (min_rollout_seqs × max sequence)"
+    )
+
+
+def plan(
+    model: str | ArchConfig,
+    max_prompt: int,
+    max_response: int,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gb: float,
+    **options,
+) -> list[Plan]:
+    """Evaluate every plan; return them all, feasible ones first (best first), then the rest (closest first).
+
+    ``gpu_mem_gb`` is in GiB; a plan must fit in ``usable_fraction`` of it (overhead included). ``options`` are the
+    fields of ``PlanOptions`` (``colocated=False``, ``rollout_nodes=4``, …). Colocated: training and SGLang share all
+    ``nodes × gpus_per_node`` GPUs, SGLang releasing its memory while the actor trains (``rollout_release``; else it
+    keeps ``rollout_mem_fraction``, default 0.6). Disaggregated: SGLang on ``rollout_nodes``, training on the rest.
+    TP stays within a node; the layers must split evenly over PP.
+    """
+    arch = load_arch(model) if isinstance(model, str) else model
+    try:
+        opt = PlanOptions(**options)
+    except TypeError as e:
+        known = ", ".join(f.name for f in dataclasses.fields(PlanOptions))
+        raise ConfigError(f"plan: {e}; known options: {known}") from e
+    for key, value in (("max_prompt", max_prompt), ("max_response", max_response), ("nodes", nodes)):
+        if value < 1:
+            raise ConfigError(f"plan: {key} = {value}: must be >= 1")
+    if gpus_per_node < 1 or gpu_mem_gb <= 0:
+        raise ConfigError(f"plan: gpus_per_node = {gpus_per_node}, gpu_mem_gb = {gpu_mem_gb}: must be > 0")
+    if opt.rollout_mem_fraction is not None and not 0 < opt.rollout_mem_fraction < 1:
+        raise ConfigError(f"plan: rollout_mem_fraction = {opt.rollout_mem_fraction}: must be in (0, 1)")
+    if opt.mini_batch_prompts < 1 or opt.batch_prompts % opt.mini_batch_prompts:
+        raise ConfigError(f"plan: mini_batch_prompts = {opt.mini_batch_prompts}: must divide batch_prompts")
+    train_nodes = nodes
+    if not opt.colocated:
+        rollout_nodes = nodes // 2 if opt.rollout_nodes is None else opt.rollout_nodes
+        if not 0 < rollout_nodes < nodes:
+            raise ConfigError(f"plan: rollout_nodes = {rollout_nodes}: disaggregated needs 0 < rollout_nodes < {nodes}")
+        train_nodes = nodes - rollout_nodes
+    max_seq = max_prompt + max_response
+    mean_seq = opt.mean_seq_len if opt.mean_seq_len is not None else max_seq / 4
+    world = train_nodes * gpus_per_node
+    job = _Job(
+        arch=arch,
+        opt=opt,
+        max_seq=max_seq,
+        world=world,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu_mem_gb * GiB,
+        usable=opt.usable_fraction * gpu_mem_gb * GiB,
+        mean_seq=mean_seq,
+        step_tokens=opt.batch_prompts * opt.group_size * mean_seq,
+        updates=opt.batch_prompts // opt.mini_batch_prompts,
+        # the gradient collectives cross nodes as soon as the job does
+        dp_bandwidth_gbs=opt.dp_bandwidth_gbs * (1 if world > gpus_per_node else 8),
+    )
+    plans = []
+    for tp in _powers_of_two(gpus_per_node):
+        try:
+            _check_split(arch, tp, 1)
+        except ValueError:
+            continue
+        for pp in (p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0 and tp * p <= world):
+            for cp in (c for c in _powers_of_two(world // (tp * pp)) if world % (tp * pp * c) == 0):
+                for mult, recompute, distopt, fp8 in itertools.product(
+                    opt.micro_batch_multiples, RECOMPUTE, (True, False), opt.fp8_options
+                ):
+                    plans.append(_evaluate(job, tp, pp, cp, mult, recompute, distopt, fp8))
+    return rank_plans(plans)
+
+
+def _evaluate(job: _Job, tp: int, pp: int, cp: int, mult: int, recompute: str, distopt: bool, fp8: bool) -> Plan:
+    """Memory of the first and last stage (the others hold fewer parameters than the first and fewer in-flight
+    activations than stage 0), the rollout phase, and the step time of one candidate."""
+    arch, o, L, h = job.arch, job.opt, job.arch.num_layers, job.arch.hidden_size
+    overhead = o.overhead_gb * GiB
+    dp = job.world // (tp * pp * cp)
+    vocab = padded_vocab_size(arch.vocab_size, tp)
+    mb_tokens = -(-job.max_seq * mult // (256 * cp)) * 256 * cp  # whole sequences; THD + CP needs 2·CP | length
+    tok_gpu = mb_tokens // cp
+    m_update = max(math.ceil(job.step_tokens / job.updates / dp / (mb_tokens * 0.97)), 1)  # ~3% packing loss
+    per_layer = activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
+    working = 0.0
+    if recompute == "full":  # one layer's activations while it is recomputed
+        working = activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
+    chunk = min(o.logprob_chunk_tokens, tok_gpu) if o.logprob_chunk_tokens > 0 else tok_gpu
+    if not o.colocated:
+        rollout_held = 0.0
+    elif o.rollout_release:
+        rollout_held = o.rollout_residual_gb * GiB
+    else:
+        rollout_held = (o.rollout_mem_fraction or 0.6) * job.gpu
+    stages = []
+    for s in sorted({0, pp - 1}):
+        p = count_params(arch, tp, pp, s, vocab)
+        last = s == pp - 1
+        stages.append(
+            Memory(
+                stage=s,
+                params=p,
+                weights=BF16 * p,
+                fp8_cache=2.0 * L // pp * layer_gemm_params(arch, tp) if fp8 else 0.0,
+                grads=FP32 * p,
+                optimizer=12.0 * p / (dp * cp if distopt else 1),
+                activations=min(pp - s, m_update) * (L // pp) * per_layer + working,
+                logits=chunk * vocab / tp * 10.0 + 2 * tok_gpu * h * BF16 if last else 0.0,
+                rollout=rollout_held,
+                overhead=overhead,
+            )
+        )
+    worst = max(stages, key=lambda x: x.total)
+    reasons = []
+    if worst.total > job.usable:
+        reasons.append(_overflow(worst, job.usable))
+    resident = 0.0 if o.offload_train_state or not o.colocated else max(st.resident for st in stages)
+    if o.colocated:
+        share = (
+            o.rollout_mem_fraction * job.gpu if o.rollout_mem_fraction is not None else job.usable - resident - overhead
+        )
+        if resident + overhead + share > job.usable:
+            reasons.append(
+                f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
+                f"{share / GiB:.1f} GiB > {job.usable / GiB:.1f} GiB usable (lower the SGLang mem_fraction or "
+                "offload the train state)"
+            )
+    else:
+        share = (o.rollout_mem_fraction or 0.85) * job.gpu
+    rollout, why = _rollout(job, max(share, 0.0), resident)
+    if why:
+        reasons.append(why)
+    if (seqs := o.mini_batch_prompts * o.group_size) < dp:
+        reasons.append(f"a mini-batch has {seqs} sequences, fewer than DP = {dp} ranks")
+    flops, time_s, bubble = _step_time(
+        job, vocab, tp, pp, cp, dp, m_update, recompute, fp8, max(st.params for st in stages)
+    )
+    return Plan(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=dp,
+        micro_batch_tokens=mb_tokens,
+        recompute=recompute,
+        distributed_optimizer=distopt,
+        fp8=fp8,
+        gpu_mem_gb=job.gpu / GiB,
+        usable_gb=job.usable / GiB,
+        train_gpus=job.world,
+        memory=worst,
+        stage_totals={st.stage: st.total for st in stages},
+        rollout=rollout,
+        micro_batches_per_update=m_update,
+        pipeline_bubble=bubble,
+        step_time_s=time_s,
+        flops_per_step=flops,
+        feasible=not reasons,
+        reasons=reasons,
+        model=arch.name,
+        max_seq_len=job.max_seq,
+    )
+
+
+def _overflow(m: Memory, usable: float) -> str:
+    parts = {
+        "weights": m.weights + m.fp8_cache,
+        "grads": m.grads,
+        "optimizer": m.optimizer,
+        "activations": m.activations,
+        "logits": m.logits,
+        "rollout": m.rollout,
+        "overhead": m.overhead,
+    }
+    biggest = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3])
+    return f"training needs {m.total / GiB:.1f} GiB per GPU on stage {m.stage} > {usable / GiB:.1f} GiB usable ({biggest} GiB)"
+
+
+def _step_time(
+    job: _Job,
+    vocab: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    dp: int,
+    m_update: int,
+    recompute: str,
+    fp8: bool,
+    params: int,
+) -> tuple[float, float, float]:
+    """Rough training time of one step (old-logprob pass + all updates), in seconds; returns (FLOPs, s, bubble).
+
+    Dense FLOPs per token: 2·N forward (N = layer GEMM weights + output layer) → old logprobs 2N + train 6N = 8N;
+    recompute adds a forward of what it recomputes (full: 2N; selective: the MLP, 2·3hf per layer). Causal attention:
+    2·q·s per layer and token forward (s ≈ mean sequence length), ×4 for the two passes (+1 with full recompute).
+    Compute time = FLOPs / (GPUs × peak × MFU × 0.96^log2(TP) × 0.95^log2(CP)) ÷ FP8 speedup, divided by the 1F1B
+    efficiency m/(m + PP − 1) (m = micro-batches per update per DP rank). Each update adds a reduce-scatter +
+    all-gather of the fp32 grads, not hidden: 2 × 4 B × params/GPU × (n−1)/n over ``dp_bandwidth_gbs`` (n = DP·CP).
+    """
+    a = job.arch
+    q = a.num_attention_heads * a.head_dim
+    n_dense = a.num_layers * layer_gemm_params(a) + vocab * a.hidden_size
+    attn_fwd = 2 * q * job.mean_seq * a.num_layers
+    per_token = 8 * n_dense + 4 * attn_fwd
+    if recompute == "full":
+        per_token += 2 * n_dense + attn_fwd
+    elif recompute == "selective":
+        per_token += 2 * 3 * a.hidden_size * a.ffn_hidden_size * a.num_layers
+    flops = per_token * job.step_tokens
+    eff = job.opt.mfu * 0.96 ** math.log2(tp) * 0.95 ** math.log2(cp)
+    compute = flops / (job.world * job.opt.peak_tflops * 1e12 * eff) / (job.opt.fp8_speedup if fp8 else 1.0)
+    bubble = (pp - 1) / (m_update + pp - 1)
+    n = dp * cp
+    comm = job.updates * 2 * FP32 * params * (n - 1) / n / (job.dp_bandwidth_gbs * 1e9) if n > 1 else 0.0
+    return flops, compute / (1 - bubble) + comm, bubble
+
+
+def rank_plans(plans: list[Plan]) -> list[Plan]:
+    """Feasible first by time (1% buckets), then fewer model-parallel GPUs, smaller PP, smaller TP, distributed
+    optimizer, less recompute, larger micro-batches; infeasible after, by memory overflow."""
+
+    def key(p: Plan):
+        if not p.feasible:
+            return (1, p.memory.total, len(p.reasons))
+        return (
+            0,
+            round(math.log(p.step_time_s) / math.log(1.01)),
+            p.tp * p.pp * p.cp,
+            p.pp,
+            p.tp,
+            not p.distributed_optimizer,
+            RECOMPUTE.index(p.recompute),
+            -p.micro_batch_tokens,
+        )
+
+    return sorted(plans, key=key)
+
+
+def choose(plans: list[Plan]) -> Plan:
+    """The best feasible plan, or NoFeasiblePlan naming the closest candidate and why it fails."""
+    for p in plans:
+        if p.feasible:
+            return p
+    if not plans:
+        raise NoFeasiblePlan("no candidate plans (the GPU count cannot be split into TP × PP × CP × DP)")
+    closest = min(plans, key=lambda p: p.memory.total)
+    raise NoFeasiblePlan(
+        f"no plan fits {closest.train_gpus} GPUs × {closest.gpu_mem_gb:g} GiB for {closest.model} at "
+        f"{closest.max_seq_len} tokens; the closest, {closest.label()}: " + "; ".join(closest.reasons)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI: dapo plan ...
+
+
+def _table(plans: list[Plan], top: int):
+    from rich.table import Table
+
+    table = Table(title=f"feasible plans (best {min(top, len(plans))} of {len(plans)})")
+    for col in ("#", "TP", "PP", "CP", "DP", "µbatch tok", "recompute", "distopt", "FP8", "train GiB", "resident GiB"):
+        table.add_column(col, justify="right")
+    for col in ("µb/update", "bubble", "step s"):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(plans[:top]):
+        cells = (i + 1, p.tp, p.pp, p.cp, p.dp, p.micro_batch_tokens, p.recompute)
+        cells += ("on" if p.distributed_optimizer else "off", "on" if p.fp8 else "off", f"{p.memory_gib:.1f}")
+        cells += (f"{p.memory.resident / GiB:.1f}", p.micro_batches_per_update, f"{p.pipeline_bubble:.0%}")
+        table.add_row(*map(str, cells + (f"{p.step_time_s:.0f}",)))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dapo plan --model qwen2.5-32b --max-prompt 2048 --max-response 20480 --nodes 16 --gpus-per-node 8
+    --gpu-mem 80``; exit 0 with the chosen plan, 1 when nothing fits, 2 on bad arguments."""
+    ap = argparse.ArgumentParser(prog="dapo plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="architecture name in model_configs/ or a YAML path")
+    ap.add_argument("--max-prompt", type=int, required=True)
+    ap.add_argument("--max-response", type=int, required=True)
+    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    place = ap.add_mutually_exclusive_group()
+    place.add_argument("--colocated", dest="colocated", action="store_true", default=True)
+    place.add_argument("--disaggregated", dest="colocated", action="store_false")
+    ap.add_argument("--rollout-nodes", type=int, default=None, help="disaggregated: nodes for SGLang (default half)")
+    ap.add_argument("--mem-fraction", type=float, default=None, help="SGLang memory fraction (default: what is left)")
+    ap.add_argument("--fp8", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--batch-prompts", type=int, default=512)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--mini-batch-prompts", type=int, default=32)
+    ap.add_argument("--mean-seq-len", type=float, default=None)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--json", action="store_true", help="print the plans as JSON instead of tables")
+    args = ap.parse_args(argv)
+    fp8_options = {"auto": (False, True), "on": (True,), "off": (False,)}[args.fp8]
+    keys = ("colocated", "rollout_nodes", "batch_prompts", "group_size", "mini_batch_prompts", "mean_seq_len")
+    options = {k: getattr(args, k) for k in keys}
+    options.update(rollout_mem_fraction=args.mem_fraction, fp8_options=fp8_options)
+    try:
+        plans = plan(
+            args.model, args.max_prompt, args.max_response, args.nodes, args.gpus_per_node, args.gpu_mem, **options
+        )
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    feasible = [p for p in plans if p.feasible]
+    try:
+        best = choose(plans)
+    except NoFeasiblePlan as e:
+        best, failure = None, str(e)
+    if args.json:
+        out = {"chosen": best.to_dict() if best else None, "feasible": [p.to_dict() for p in feasible[: args.top]]}
+        if best is None:
+            out["error"] = failure
+        print(json.dumps(out, indent=1))
+        return 0 if best else 1
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    if best is None:
+        console.print(f"[red]no feasible plan[/red]: {failure}", markup=True, highlight=False)
+        console.print(plans[0].explain() if plans else "", markup=False, highlight=False)
+        return 1
+    console.print(_table(feasible, args.top))
+    console.print("\nchosen plan:\n" + best.explain(), markup=False, highlight=False)
+    console.print("config overrides: " + " ".join(best.overrides()), markup=False, highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

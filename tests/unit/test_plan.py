@@ -1,0 +1,251 @@
+"""The memory / parallelism planner: exact parameter counts, the activation formula, plan choice and the CLI."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import ArchConfig, ConfigError, load_arch
+from megatron_dapo.plan import (
+    GiB,
+    NoFeasiblePlan,
+    activation_bytes_per_token,
+    choose,
+    count_params,
+    main,
+    padded_vocab_size,
+    plan,
+    total_params,
+)
+from tests.helpers import run_torchrun
+
+WORKER = Path(__file__).resolve().parents[1] / "dist" / "param_count_worker.py"
+pytestmark = pytest.mark.timeout(300)
+
+
+def hf_param_count(a: ArchConfig) -> int:
+    """Reference from the HF Qwen2/Llama state-dict shapes (an independent enumeration of tensors)."""
+    h, d, f = a.hidden_size, a.head_dim, a.ffn_hidden_size
+    shapes = [(a.vocab_size, h), (h,)]  # model.embed_tokens, model.norm
+    if not a.tie_embeddings:
+        shapes.append((a.vocab_size, h))  # lm_head
+    for _ in range(a.num_layers):
+        shapes += [(a.num_attention_heads * d, h), (a.num_query_groups * d, h), (a.num_query_groups * d, h)]  # q k v
+        if a.qkv_bias:
+            shapes += [(a.num_attention_heads * d,), (a.num_query_groups * d,), (a.num_query_groups * d,)]
+        shapes += [(h, a.num_attention_heads * d)]  # o_proj
+        shapes += [(f, h), (f, h), (h, f)]  # gate, up, down
+        shapes += [(h,), (h,)]  # input_layernorm, post_attention_layernorm
+    total = 0
+    for s in shapes:
+        n = 1
+        for x in s:
+            n *= x
+        total += n
+    return total
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(152064, 1) == 152064  # already a multiple of 128
+    assert padded_vocab_size(152064, 8) == 149 * 1024  # 148.5 x 1024 rounds up
+    assert padded_vocab_size(151936, 2) == 594 * 256
+    assert padded_vocab_size(32, 1) == 128
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "smollm2-135m"])
+def test_total_params_match_hf_shapes(name):
+    a = load_arch(name)
+    assert total_params(a) == hf_param_count(a)
+
+
+def test_qwen32b_is_32_8b():
+    a = load_arch("qwen2.5-32b")
+    n = total_params(a)
+    # by hand: per layer 2·5120 + (40+16)·128·5120 + (40+16)·128 + 5120·5120 + 3·27648·5120 = 487,605,248
+    assert n == 64 * 487_605_248 + 2 * 152064 * 5120 + 5120 == 32_763_876_352
+    assert round(n / 1e9, 1) == 32.8
+
+
+def test_tiny_by_hand():
+    a = load_arch("tiny")  # h 128, 2 layers, ffn 512, 4 heads / 2 kv heads (head dim 32), vocab 32 -> 128, tied
+    layer = 2 * 128 + (4 + 2 * 2) * 32 * 128 + (4 + 2 * 2) * 32 + 128 * 128 + 2 * 512 * 128 + 128 * 512
+    assert count_params(a) == 128 * 128 + 2 * layer + 128 == 509_056
+    # PP=2: the last stage holds a copy of the tied embedding as its output layer
+    assert count_params(a, pp=2, pp_rank=0) == 128 * 128 + layer
+    assert count_params(a, pp=2, pp_rank=1) == layer + 128 + 128 * 128
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (8, 1), (8, 4), (2, 8), (4, 2)])
+def test_sharded_counts_sum_to_whole(tp, pp):
+    """Σ over all TP×PP ranks = whole (padded) model + replicated norms + the tied copy on the last stage."""
+    for name in ("qwen2.5-32b", "qwen2.5-0.5b"):
+        a = load_arch(name)
+        if a.num_query_groups % tp or a.num_layers % pp:
+            continue
+        vocab = padded_vocab_size(a.vocab_size, tp)
+        summed = tp * sum(count_params(a, tp, pp, r) for r in range(pp))
+        norms = 2 * a.hidden_size * a.num_layers + a.hidden_size
+        tied_copy = vocab * a.hidden_size if a.tie_embeddings and pp > 1 else 0
+        assert summed == total_params(a, padded_vocab=vocab) + (tp - 1) * norms + tied_copy
+
+
+def test_count_params_errors():
+    a = load_arch("qwen2.5-7b")  # 4 kv heads, 28 layers
+    with pytest.raises(ValueError, match="qwen2.5-7b: num_attention_heads = 28 is not divisible by tp = 8"):
+        count_params(a, tp=8)
+    with pytest.raises(ValueError, match="num_layers = 28 is not divisible by pp = 8"):
+        count_params(a, pp=8)
+
+
+def small_untied() -> ArchConfig:
+    return ArchConfig(
+        name="small-untied",
+        family="llama",
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=160,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=1000,
+        qkv_bias=False,
+        tie_embeddings=False,
+    )
+
+
+def megatron_counts(tmp_path, archs: list[ArchConfig], tp: int) -> dict:
+    """{arch name: {"pp/rank": numel}} from real megatron-core GPTModels (tests/dist/param_count_worker.py)."""
+    spec = tmp_path / "archs.json"
+    spec.write_text(json.dumps([dataclasses.asdict(a) for a in archs]))
+    out = tmp_path / f"counts_tp{tp}.json"
+    run_torchrun(tp, WORKER, out, spec, tp, timeout=280)
+    return json.loads(out.read_text())
+
+
+MEGATRON_ARCHS = [load_arch("tiny"), small_untied()]
+
+
+def test_count_params_matches_megatron_model(tmp_path):
+    """The real megatron-core GPTModel (local spec), built stage by stage for PP = 1, 2, 4; tied and untied."""
+    counts = megatron_counts(tmp_path, MEGATRON_ARCHS, tp=1)
+    assert set(counts) == {a.name for a in MEGATRON_ARCHS}
+    for arch in MEGATRON_ARCHS:
+        stages = counts[arch.name]
+        assert len(stages) == {2: 3, 4: 7}[arch.num_layers]
+        for key, n in stages.items():
+            pp, rank = map(int, key.split("/"))
+            assert count_params(arch, 1, pp, rank) == n, (arch.name, key)
+
+
+def test_activation_formula_reduces_to_korthikanti():
+    """GPT (MHA, FFN 4h, GeLU, dropout): 34·h + 5·a·s bytes per token and layer; flash drops the 5·a·s term."""
+    gpt = ArchConfig(hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16, num_query_groups=16)
+    s = 2048
+    full = activation_bytes_per_token(gpt, flash=False, attn_seq_len=s, gated=False, dropout=True)
+    assert full == 34 * 1024 + 5 * 16 * s
+    assert activation_bytes_per_token(gpt, flash=True, gated=False, dropout=True) == 34 * 1024
+    assert activation_bytes_per_token(gpt, "full") == 2 * 1024
+
+
+def test_activation_qwen32b_by_hand():
+    a = load_arch("qwen2.5-32b")  # h 5120, q 5120, kv 1024, ffn 27648, SwiGLU, no dropout
+    norms, attn, mlp = 4 * 5120, 2 * 5120 + 2 * (5120 + 2048) + 2 * 5120, 2 * 5120 + 4 * 27648 + 2 * 27648
+    assert activation_bytes_per_token(a) == norms + attn + mlp == 231_424
+    assert activation_bytes_per_token(a, "selective") == 4 * 5120 + 2 * (5120 + 2048) + 2 * 5120
+    none, sel, full = (activation_bytes_per_token(a, r) for r in ("none", "selective", "full"))
+    assert none > sel > full
+    with pytest.raises(ValueError, match="recompute = 'some'"):
+        activation_bytes_per_token(a, "some")
+
+
+@pytest.fixture(scope="module")
+def plans_32b():
+    return plan("qwen2.5-32b", 2048, 20480, 16, 8, 80)
+
+
+def test_32b_on_16_nodes_fits(plans_32b):
+    best = choose(plans_32b)
+    assert best.feasible and best is plans_32b[0]
+    assert best.memory.total <= 80 * GiB and best.memory_gib <= best.usable_gb
+    assert best.tp * best.pp * best.cp * best.dp == 128
+    assert best.micro_batch_tokens >= 2048 + 20480
+    # the breakdown is built from the exact counts and the documented bytes/param
+    a = load_arch("qwen2.5-32b")
+    p = count_params(a, best.tp, best.pp, best.memory.stage)
+    assert best.memory.params == p
+    assert best.memory.weights == 2 * p and best.memory.grads == 4 * p
+    assert best.memory.optimizer == pytest.approx(12 * p / (best.dp * best.cp if best.distributed_optimizer else 1))
+    text = best.explain()
+    for word in ("weights", "gradients", "optimizer", "activations", "logits", "overhead", "total", "fits"):
+        assert word in text
+    assert f"parallel.tp={best.tp}" in best.overrides()
+    # every feasible plan fits, every infeasible one says why
+    assert all(p.memory.total <= p.usable_gb * GiB for p in plans_32b if p.feasible)
+    assert all(p.reasons for p in plans_32b if not p.feasible)
+    times = [p.step_time_s for p in plans_32b if p.feasible]
+    assert times[0] <= min(times) * 1.01
+
+
+def test_memory_monotone_in_recompute_and_distributed_optimizer(plans_32b):
+    """Monotonicity: less recompute or a non-distributed optimizer never needs less memory."""
+    by_key = {
+        (p.tp, p.pp, p.cp, p.micro_batch_tokens, p.recompute, p.distributed_optimizer, p.fp8): p for p in plans_32b
+    }
+    for (tp, pp, cp, mb, rec, dist, fp8), p in by_key.items():
+        if rec == "none":
+            assert p.memory.activations >= by_key[(tp, pp, cp, mb, "selective", dist, fp8)].memory.activations
+            assert by_key[(tp, pp, cp, mb, "selective", dist, fp8)].memory.activations >= (
+                by_key[(tp, pp, cp, mb, "full", dist, fp8)].memory.activations
+            )
+        if dist and (p.dp * p.cp) > 1:
+            assert p.memory.optimizer < by_key[(tp, pp, cp, mb, rec, False, fp8)].memory.optimizer
+
+
+def test_too_small_cluster_has_no_plan():
+    plans = plan("qwen2.5-32b", 2048, 20480, 1, 8, 24)
+    assert plans and not any(p.feasible for p in plans)
+    with pytest.raises(NoFeasiblePlan, match=r"no plan fits 8 GPUs × 24 GiB for qwen2.5-32b.*training needs"):
+        choose(plans)
+
+
+def test_more_memory_never_fewer_plans():
+    counts = [sum(p.feasible for p in plan("qwen2.5-7b", 1024, 8192, 1, 8, mem)) for mem in (40, 80, 141)]
+    assert counts == sorted(counts) and counts[-1] > 0
+
+
+def test_small_model_prefers_no_model_parallelism():
+    best = choose(plan("qwen2.5-0.5b", 512, 1024, 1, 8, 80, fp8_options=(False,)))
+    assert (best.tp, best.pp, best.cp, best.dp) == (1, 1, 1, 8)
+
+
+def test_disaggregated_trains_on_the_other_nodes():
+    plans = plan("qwen2.5-32b", 2048, 20480, 16, 8, 80, colocated=False, rollout_nodes=6)
+    best = choose(plans)
+    assert best.train_gpus == 80 and best.rollout is not None and not best.rollout.colocated
+    assert best.memory.rollout == 0
+
+
+def test_plan_input_errors():
+    with pytest.raises(ConfigError, match="max_prompt = 0"):
+        plan("qwen2.5-7b", 0, 100, 1, 8, 80)
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'colocate'"):
+        plan("qwen2.5-7b", 100, 100, 1, 8, 80, colocate=True)
+    with pytest.raises(ConfigError, match="rollout_nodes = 2"):
+        plan("qwen2.5-7b", 100, 100, 2, 8, 80, colocated=False, rollout_nodes=2)
+    with pytest.raises(ConfigError, match="unknown model config 'nope'"):
+        plan("nope", 100, 100, 1, 8, 80)
+
+
+def test_cli(capsys):
+    args = ["--model", "qwen2.5-32b", "--max-prompt", "2048", "--max-response", "20480", "--gpus-per-node", "8"]
+    assert main(args + ["--nodes", "16", "--gpu-mem", "80", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen plan" in out and "config overrides: parallel.tp=" in out
+    assert main(args + ["--nodes", "16", "--gpu-mem", "80", "--json", "--fp8", "off"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["fp8"] is False and data["chosen"]["memory_total_gib"] <= 80
+    assert all(not p["fp8"] for p in data["feasible"])
+    assert main(args + ["--nodes", "1", "--gpu-mem", "24"]) == 1
+    assert "no feasible plan" in capsys.readouterr().out
+    assert main(args + ["--nodes", "0", "--gpu-mem", "24"]) == 2
+    assert "nodes = 0" in capsys.readouterr().out
