@@ -167,8 +167,10 @@ class TrainConfig:
     run_dir: str = "runs"
     name: str = "dapo"
     wandb_project: str | None = None
-    supervised_warmup_steps: int = 0  # optional SFT warm start on the synthetic task (demo)
+    supervised_warmup_steps: int = 0  # optional SFT warm start on the synthetic task (demo); max steps
     supervised_lr: float = 1e-3
+    supervised_batch: int = 128
+    supervised_stop_acc: float = 1.0  # stop the warm start once greedy held-out accuracy reaches this
 
 
 @dataclass

@@ -20,7 +20,7 @@ from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.logprobs import token_logprobs
 from megatron_dapo.actor.provider import DTYPES, build_model, padded_vocab_size, use_transformer_engine
-from megatron_dapo.algo.loss import combine_loss_metrics, loss_denominator, policy_loss
+from megatron_dapo.algo.loss import combine_loss_metrics, loss_denominator, policy_loss, sft_loss
 from megatron_dapo.config import ArchConfig, DapoConfig, load_arch
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
 
@@ -316,7 +316,7 @@ class MegatronActor:
             results = self._run(mbs, loss_fn, forward_only=False)
             grad_norm = self._optimizer_update()
             grad_norms.append(grad_norm)
-            if self.last_stage:
+            if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
                 parts += results
                 losses.append(sum(float(r["loss"]) for r in results))
                 entropies.append(sum(float(r["entropy_sum"]) for r in results))
@@ -324,6 +324,34 @@ class MegatronActor:
         self.scheduler.step(increment=1)
         self.step += 1
         return self._step_metrics(parts, losses, entropies, grad_norms, tokens, time.perf_counter() - t0)
+
+    def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
+        """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule
+        is neither used nor advanced."""
+        for m in self.model:
+            m.train()
+        mask = torch.cat([torch.ones(s.response_len) for s in seqs])
+        denominator = float(mask.sum())
+        mbs = self._micro_batches(seqs)
+        scale = len(mbs) * self.dp_size
+
+        def loss_fn(mb, model, hidden):
+            lp, _ = self._token_logprobs(mb, model, hidden, with_entropy=False)
+            loss = sft_loss(lp, mb["loss_mask"], denominator)
+            return loss * scale, {"loss": loss.detach()}
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        results = self._run(mbs, loss_fn, forward_only=False)
+        grad_norm = self._optimizer_update()
+        self.scheduler.step(increment=0)  # restore the RL learning rate
+        local = sum(float(r["loss"]) for r in results) if self.last_stage and self.tp_rank == 0 else 0.0
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return {"sft/loss": sum(gathered), "sft/grad_norm": grad_norm}
 
     def _optimizer_update(self) -> float:
         """Clip and step unless the gradient is non-finite: then skip the update (weights untouched) and count it."""

@@ -251,3 +251,14 @@ def combine_loss_metrics(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, 
         else:
             sums[key] = torch.zeros_like(parts[0][key])
     return loss_metrics_from_sums(sums)
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: int | float | torch.Tensor | None = None):
+    """Token-mean negative log-likelihood, −Σ_t m_t·log p(y_t) / N, for a supervised warm start.
+
+    ``denominator`` is the global token count N across micro-batches and ranks (None = the local count), as in
+    :func:`policy_loss`, so micro-batch losses sum to the full-batch loss.
+    """
+    valid = (mask if mask.dtype == torch.bool else mask != 0).to(logprobs.dtype)
+    denom = valid.sum() if denominator is None else denominator
+    return -(logprobs * valid).sum() / max(float(denom), 1.0)

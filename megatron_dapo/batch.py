@@ -1,0 +1,100 @@
+"""From scored rollout groups to the actor's training sequences: reward shaping and group advantages.
+
+A ``Group`` is one prompt with its G samples and their correctness; it is what the dynamic sampler keeps and what
+rank 0 broadcasts to every rank (plain, picklable data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dapo.actor.actor import Sequence
+from megatron_dapo.algo.advantage import group_advantages
+from megatron_dapo.algo.shaping import overlong_filter_mask, overlong_penalty
+from megatron_dapo.config import DapoConfig
+
+
+@dataclass
+class Group:
+    prompt_ids: list[int]
+    responses: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    scores: list[float]  # ±1 correctness reward
+    correct: list[bool]
+    data_source: str = ""
+    texts: list[str] = field(default_factory=list)
+
+
+def group_from_samples(prompt_ids: list[int], samples: list, results: list[dict], data_source: str) -> Group:
+    return Group(
+        prompt_ids=list(prompt_ids),
+        responses=[list(s.response_ids) for s in samples],
+        rollout_logprobs=[list(s.logprobs) for s in samples],
+        finish_reasons=[s.finish_reason for s in samples],
+        scores=[float(r["score"]) for r in results],
+        correct=[bool(r["acc"]) for r in results],
+        data_source=data_source,
+        texts=[s.text for s in samples],
+    )
+
+
+def shaped_rewards(groups: list[Group], cfg: DapoConfig) -> torch.Tensor:
+    """[B, G] rewards: correctness (±1) plus the soft overlong punishment when enabled."""
+    scores = torch.tensor([g.scores for g in groups], dtype=torch.float32)
+    if not cfg.algo.overlong_penalty:
+        return scores
+    lengths = torch.tensor([[len(r) for r in g.responses] for g in groups])
+    penalty = overlong_penalty(
+        lengths, cfg.rollout.sampling.max_new_tokens, cfg.algo.overlong_cache, cfg.algo.overlong_penalty_factor
+    )
+    return scores + penalty
+
+
+def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], dict[str, float]]:
+    """Training sequences (group-major, in order) with advantages and loss masks, and the batch's reward metrics."""
+    rewards = shaped_rewards(groups, cfg)
+    adv = group_advantages(rewards, eps=cfg.algo.adv_eps)
+    seqs = []
+    for g, row in zip(groups, adv):
+        keep = overlong_filter_mask(torch.tensor([f == "length" for f in g.finish_reasons]))
+        for j, resp in enumerate(g.responses):
+            mask = torch.ones(len(resp))
+            if cfg.algo.overlong_filter and not keep[j]:
+                mask.zero_()
+            seqs.append(
+                Sequence(
+                    tokens=torch.tensor(g.prompt_ids + resp, dtype=torch.long),
+                    prompt_len=len(g.prompt_ids),
+                    advantage=float(row[j]),
+                    loss_mask=mask,
+                )
+            )
+    lengths = torch.tensor([float(len(r)) for g in groups for r in g.responses])
+    truncated = torch.tensor([f == "length" for g in groups for f in g.finish_reasons], dtype=torch.float32)
+    correct = torch.tensor([c for g in groups for c in g.correct], dtype=torch.float32)
+    metrics = {
+        "train/reward_mean": float(rewards.mean()),
+        "train/score_mean": float(torch.tensor([g.scores for g in groups]).mean()),
+        "train/acc_mean": float(correct.mean()),
+        "train/response_len_mean": float(lengths.mean()),
+        "train/response_len_max": float(lengths.max()),
+        "train/truncated_frac": float(truncated.mean()),
+        "train/adv_abs_mean": float(adv.abs().mean()),
+    }
+    return seqs, metrics
+
+
+def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch)."""
+    gaps = []
+    rollout = [lp for g in groups for lp in g.rollout_logprobs]
+    for r, a in zip(rollout, actor_logprobs):
+        if len(r) == a.numel() and len(r):
+            gaps.append((torch.tensor(r, dtype=torch.float32) - a.float()).abs())
+    if not gaps:
+        return {"train/logp_gap_mean": 0.0, "train/logp_gap_max": 0.0}
+    flat = torch.cat(gaps)
+    return {"train/logp_gap_mean": float(flat.mean()), "train/logp_gap_max": float(flat.max())}

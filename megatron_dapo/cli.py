@@ -1,0 +1,132 @@
+"""``dapo`` — train | eval | report | convert | plan | launch.
+
+    dapo train --recipe demo_cpu [key=value ...] [--resume auto|DIR]
+    dapo eval --load DIR --data PARQUET [--n 32] [key=value ...]
+    dapo report RUN_DIR
+    dapo convert hf-to-megatron|megatron-to-hf ...      (tools/convert_*.py)
+    dapo plan --model qwen2.5-32b --max-prompt 2048 --max-response 20480 --nodes 16 --gpus-per-node 8 --gpu-mem 80
+    dapo launch --recipe dapo_32b [--dry-run] ...        (inside or outside a Slurm allocation)
+
+Multi-process training: ``torchrun --nproc-per-node N -m megatron_dapo.cli train ...`` (or ``dapo launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.dataset import DataError
+
+
+def _train(args) -> int:
+    from megatron_dapo.trainer import Trainer
+
+    cfg = load_config(args.recipe, args.overrides)
+    trainer = Trainer(cfg, resume=args.resume)
+    trainer.run()
+    if trainer.is_driver:
+        run = trainer.run_dir
+        print(f"\ncheckpoints: {run / 'checkpoints'}\nHF model:    {run / 'hf'}\nmetrics:     {run / 'metrics.jsonl'}")
+        from megatron_dapo.report import make_report
+
+        print(f"report:      {make_report(run)}")
+    return 0
+
+
+def _eval(args) -> int:
+    from megatron_dapo.evaluate import evaluate_checkpoint
+
+    overrides = [f"eval.files=[{args.data}]", f"eval.n={args.n}", *args.overrides]
+    cfg = load_config(args.recipe, overrides)
+    results = evaluate_checkpoint(cfg, args.load)
+    for key, value in sorted(results.items()):
+        print(f"{key:40s} {value:.4f}")
+    return 0
+
+
+def _report(args) -> int:
+    from megatron_dapo.report import main as report_main
+
+    return report_main([args.run_dir, *args.rest])
+
+
+def _convert(args) -> int:
+    import runpy
+
+    from megatron_dapo.config import PACKAGE_DIR
+
+    tool = {"hf-to-megatron": "convert_hf_to_megatron.py", "megatron-to-hf": "convert_megatron_to_hf.py"}[
+        args.direction
+    ]
+    sys.argv = [tool, *args.rest]
+    try:
+        runpy.run_path(str(PACKAGE_DIR.parent / "tools" / tool), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def _plan(args) -> int:
+    from megatron_dapo.plan import main as plan_main
+
+    return plan_main(args.rest)
+
+
+def _launch(args) -> int:
+    from megatron_dapo.launch.slurm import main as launch_main
+
+    return launch_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run DAPO training from a recipe")
+    p.add_argument("--recipe", default="demo_cpu", help="recipe name (megatron_dapo/recipes/) or YAML path")
+    p.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint of the run, or a directory")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.eps_high=0.3 train.steps=10")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint: avg@k, pass@k, maj@k per data_source")
+    p.add_argument("--load", required=True, help="megatron-dapo checkpoint directory")
+    p.add_argument("--data", required=True, help="parquet in the DAPO schema (e.g. aime-2024.parquet)")
+    p.add_argument("--n", type=int, default=32, help="samples per problem")
+    p.add_argument("--recipe", default="demo_cpu", help="recipe for the model/rollout settings")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("report", help="metrics.jsonl -> report.png")
+    p.add_argument("run_dir")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser("convert", help="HF <-> megatron checkpoint conversion (see tools/)")
+    p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("plan", help="memory/parallelism planner", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("launch", help="Slurm launcher (--dry-run prints the plan)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_launch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Evaluation: sample k responses per problem with the rollout engine, score them, report avg@k / pass@k / maj@k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_dapo.config import DapoConfig, EvalConfig
+from megatron_dapo.metrics import eval_metrics
+from megatron_dapo.rollout.engine import SamplingParams
+
+
+def run_eval(engine, scorer, datasets: dict, e: EvalConfig, default_max_new_tokens: int, seed: int) -> dict[str, float]:
+    """``datasets``: name -> PromptDataset (one item per problem). Keys: ``eval/<name>/{avg,pass,maj}@k``."""
+    records = []
+    for name, data in datasets.items():
+        sampling = SamplingParams(
+            temperature=0.0 if e.greedy else e.temperature,
+            top_p=1.0 if e.greedy else e.top_p,
+            max_new_tokens=e.max_new_tokens or default_max_new_tokens,
+            seed=seed,
+        )
+        items = list(data)
+        samples = engine.generate([it.prompt_ids for it in items], sampling, n=1 if e.greedy else e.n)
+        results = scorer.score_batch([s.text for s in samples], [items[s.prompt_index] for s in samples])
+        for s, r in zip(samples, results):
+            records.append(
+                {"data_source": name, "problem_id": s.prompt_index, "pred": r.get("pred"), "acc": bool(r["acc"])}
+            )
+    return eval_metrics(records)
+
+
+def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
+    """Load a megatron-dapo checkpoint (any TP/PP it was saved at) and evaluate it on ``cfg.eval.files``."""
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.checkpoint import read_meta
+    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.reward.registry import RewardScorer
+    from megatron_dapo.trainer import RolloutDriver, broadcast, is_driver
+
+    arch = ArchConfig(**read_meta(path)["arch"])
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    d = cfg.data
+    datasets = {
+        Path(f).stem: PromptDataset.from_files([f], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()
+        for f in cfg.eval.files
+    }
+    actor = MegatronActor(cfg, arch)
+    actor.load(path, load_optimizer=False)
+    rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name)
+    rollout.sync_weights(actor, version=0)
+    results = None
+    if is_driver():
+        results = run_eval(
+            rollout.engine, RewardScorer(), datasets, cfg.eval, cfg.rollout.sampling.max_new_tokens, cfg.train.seed
+        )
+    return broadcast(results)

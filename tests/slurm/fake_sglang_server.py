@@ -1,0 +1,55 @@
+"""Stand-in for ``python -m sglang.launch_server`` in the Slurm tests (SGLang cannot run on CPU).
+
+Serves ``GET /health`` (200) until SIGTERM. ``--fail-on NODE`` makes the copy on Slurm node NODE exit with
+``--code`` after ``--fail-after`` seconds (healthy until then), as a crashing server would. ``--pid-dir`` records each copy's pid
+so that tests can check that the launcher stopped the healthy ones.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server API)
+        ok = self.path.split("?")[0] == "/health"
+        self.send_response(200 if ok else 404)
+        self.end_headers()
+        self.wfile.write(b"ok" if ok else b"not found")
+
+    def log_message(self, *args):
+        pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--fail-on", default="")
+    ap.add_argument("--fail-after", type=float, default=0.0)
+    ap.add_argument("--code", type=int, default=1)
+    ap.add_argument("--pid-dir")
+    ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", "?"), help="default: the Slurm node")
+    args = ap.parse_args()
+    node = args.node
+    if args.pid_dir:
+        Path(args.pid_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.pid_dir, f"server-{node}.pid").write_text(str(os.getpid()))
+    print(f"fake sglang server on {node}, port {args.port}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    if node == args.fail_on:
+        time.sleep(args.fail_after)
+        print(f"fake sglang server on {node}: simulated crash, exit {args.code}", flush=True)
+        os._exit(args.code)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

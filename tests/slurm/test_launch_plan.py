@@ -1,0 +1,315 @@
+"""The Slurm driver's plan and supervision, without a Slurm cluster (these run everywhere; see test_local_slurm.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.launch.slurm import (
+    LaunchError,
+    LaunchOptions,
+    Supervisor,
+    build_plan,
+    expand_nodelist,
+    parse_tasks_per_node,
+    torch_env_from_slurm,
+)
+from tests.helpers import REPO
+from tests.slurm.conftest import HERE, TEST_RECIPE_32B, free_port, process_running
+
+R32 = str(TEST_RECIPE_32B)
+NO_SLURM_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
+
+
+def plan_for(*overrides: str, env: dict | None = None, **opts):
+    return build_plan(LaunchOptions(recipe=R32, overrides=list(overrides), **opts), env=env or {}, dry_run=True)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("n[1-2]", ["n1", "n2"]),
+        ("gpu[08-10,12],login", ["gpu08", "gpu09", "gpu10", "gpu12", "login"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("a,b", ["a", "b"]),
+        ("node007", ["node007"]),
+    ],
+)
+def test_expand_nodelist(spec, expected):
+    assert expand_nodelist(spec) == expected
+
+
+@pytest.mark.parametrize("bad", ["n[1-", "n[a-b]"])
+def test_expand_nodelist_rejects_bad_specs(bad):
+    with pytest.raises(LaunchError, match="node list"):
+        expand_nodelist(bad)
+
+
+def test_parse_tasks_per_node():
+    assert parse_tasks_per_node("8(x2),4") == [8, 8, 4]
+    assert parse_tasks_per_node("1") == [1]
+    with pytest.raises(LaunchError):
+        parse_tasks_per_node("8x2")
+
+
+def test_torch_env_from_slurm_maps_task_ids():
+    env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x4)", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}  # fmt: skip
+    out = torch_env_from_slurm(env)
+    assert out == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1",
+                   "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}  # fmt: skip
+    # without MASTER_*: the first node of the step, and a port offset by the job id
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "hostx,hosty", "SLURM_JOB_ID": "12345",
+           "SLURM_CONF": "/nonexistent/slurm.conf"}  # fmt: skip
+    out = torch_env_from_slurm(env)
+    assert (out["MASTER_ADDR"], out["MASTER_PORT"], out["WORLD_SIZE"]) == ("hostx", str(29500 + 12345 % 1000), "2")
+    with pytest.raises(LaunchError, match="SLURM_PROCID"):
+        torch_env_from_slurm({})
+    # colocated servers: each rank learns the server on its own node (node rank = index in the trainer's node list)
+    urls = ["http://a:1", "http://b:2"]
+    env = {**env, "SLURM_NODEID": "1", "DAPO_SERVER_URLS": json.dumps(urls), "DAPO_PLACEMENT": "colocated"}
+    assert torch_env_from_slurm(env)["DAPO_LOCAL_SERVER_URL"] == "http://b:2"
+    assert "DAPO_LOCAL_SERVER_URL" not in torch_env_from_slurm({**env, "DAPO_PLACEMENT": "disaggregated"})
+
+
+@pytest.mark.timeout(60)
+def test_rank_exec_sets_env_and_execs(tmp_path):
+    env = {**NO_SLURM_ENV, "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4567"}  # fmt: skip
+    code = "import os, json; print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', " \
+           "'LOCAL_WORLD_SIZE', 'MASTER_PORT')}))"  # fmt: skip
+    cmd = [sys.executable, "-m", "megatron_dapo.launch.slurm", "rank-exec", "--", sys.executable, "-c", code]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                      "MASTER_PORT": "4567"}  # fmt: skip
+
+
+def test_colocated_plan_16_nodes():
+    plan = plan_for("parallel.pp=2", nodes=16)
+    assert plan.placement == "colocated" and plan.model == "qwen2.5-32b"
+    assert plan.nodes == [f"node{i}" for i in range(1, 17)]
+    assert (plan.gpus_per_node, plan.tasks_per_node, plan.world_size) == (8, 8, 128)
+    assert (plan.tp, plan.pp, plan.cp, plan.dp) == (8, 2, 2, 128 // (8 * 2 * 2))
+    assert plan.train_nodes == plan.rollout_nodes == plan.nodes
+    assert [s.nodes for s in plan.servers] == [[n] for n in plan.nodes]
+    for s in plan.servers:
+        cmd = " ".join(s.command)
+        assert "-m sglang.launch_server --model-path /models/Qwen2.5-32B" in cmd
+        assert "--tp-size 4" in cmd and "--dp-size 2" in cmd and "--enable-memory-saver" in cmd
+        assert "--port 30000" in cmd and "--mem-fraction-static 0.6" in cmd
+        assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
+    t = plan.trainer.srun
+    assert "--nodes=16" in t and "--ntasks=128" in t and "--ntasks-per-node=8" in t and "--gpus-per-node=8" in t
+    i = t.index("rank-exec")
+    assert t[i + 1 : i + 2] == ["--"] and t[i + 3 : i + 8] == ["-m", "megatron_dapo.cli", "train", "--recipe", R32]
+    # the trainer is told where the servers are, in a form the config parser reads back
+    url_arg = [a for a in t if a.startswith("rollout.server_urls=")]
+    cfg = load_config(R32, ["parallel.pp=2", url_arg[0]])
+    assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:30000" for n in plan.nodes]
+    assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "29500"
+
+
+def test_disaggregated_plan():
+    plan = plan_for("cluster.placement=disaggregated", "cluster.rollout_nodes=4", "rollout.colocate=false",
+                    "rollout.weight_sync=nccl", nodes=16)  # fmt: skip
+    assert plan.train_nodes == [f"node{i}" for i in range(1, 13)]
+    assert plan.rollout_nodes == [f"node{i}" for i in range(13, 17)]
+    assert plan.world_size == 12 * 8 and plan.dp == 96 // (8 * 1 * 2)
+    assert all("--enable-memory-saver" not in s.command for s in plan.servers)
+    assert "--nodelist=" + ",".join(plan.train_nodes) in plan.trainer.srun
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit",
+    [
+        (
+            ["cluster.placement=disaggregated", "cluster.rollout_nodes=4", "rollout.colocate=false"],
+            "rollout.weight_sync",
+        ),
+        (
+            [
+                "cluster.placement=disaggregated",
+                "cluster.rollout_nodes=2",
+                "rollout.colocate=false",
+                "rollout.weight_sync=nccl",
+            ],
+            "cluster.rollout_nodes",
+        ),  # fmt: skip
+        (
+            ["cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.weight_sync=nccl"],
+            "rollout.colocate",
+        ),
+        (["parallel.tp=3"], "parallel.tp"),
+        (["rollout.sglang_tp=3"], "rollout.sglang_tp"),
+        (["model.hf_init=null"], "model.hf_init"),
+    ],
+)
+def test_bad_layouts_name_the_key(overrides, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        plan_for(*overrides, nodes=2)
+
+
+def test_cpu_plan_has_no_servers():
+    plan = plan_for("rollout.engine=hf", "rollout.weight_sync=copy", "parallel.tp=2", "parallel.cp=1", nodes=2)
+    assert (plan.placement, plan.servers, plan.gpus_per_node, plan.world_size) == ("cpu", [], 0, 2)
+    assert not any(a.startswith("--gpus") for a in plan.trainer.srun)
+    assert not any(a.startswith("rollout.server_urls") for a in plan.trainer.command)
+    plan = plan_for("rollout.engine=hf", "rollout.weight_sync=copy", "parallel.tp=2", "parallel.cp=1", nodes=2,
+                    env={"SLURM_NTASKS_PER_NODE": "3"})  # fmt: skip
+    assert plan.world_size == 6 and "--ntasks-per-node=3" in plan.trainer.srun
+
+
+def test_external_servers_are_not_started():
+    plan = plan_for('rollout.server_urls=["http://a:1"]', nodes=2)
+    assert plan.servers == [] and plan.rollout_nodes == []
+    assert sum(a.startswith("rollout.server_urls") for a in plan.trainer.command) == 1  # the user's, not a second one
+
+
+def test_plan_inside_an_allocation():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_GPUS_ON_NODE": "4",
+           "SLURM_CPUS_ON_NODE": "64", "SLURM_CONF": "/nonexistent/slurm.conf"}  # fmt: skip
+    plan = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.tp=4", "parallel.cp=1"]), env=env)
+    assert plan.nodes == ["gpu01", "gpu02", "gpu03"] and plan.job_id == "4242"
+    assert (plan.gpus_per_node, plan.world_size, plan.dp) == (4, 12, 3)
+    assert plan.master_port == 29500 + 4242 % 1000 and plan.master_addr == "gpu01"
+    assert "--cpus-per-task=16" in plan.trainer.srun and "--cpus-per-task=64" in plan.servers[0].srun
+    assert plan.log_dir == "runs/test-32b/slurm-4242"
+    # sbatch's --gpus-per-node=h100:8 form, and a subset of the nodes
+    env2 = {**env, "SLURM_GPUS_PER_NODE": "h100:8"}
+    del env2["SLURM_GPUS_ON_NODE"]
+    plan = build_plan(LaunchOptions(recipe=R32, nodes=2), env=env2)
+    assert plan.nodes == ["gpu01", "gpu02"] and plan.gpus_per_node == 8
+    with pytest.raises(LaunchError, match="only 3 nodes"):
+        build_plan(LaunchOptions(recipe=R32, nodes=4), env=env)
+
+
+def test_container_and_network_settings():
+    plan = plan_for("cluster.container_image=nvcr.io/x/y:1", "cluster.container_mounts=[/a:/a,/b:/b]",
+                    "cluster.nccl_socket_ifname=ib0", "cluster.ib_hca=mlx5", nodes=2)  # fmt: skip
+    for step in [*plan.servers, plan.trainer]:
+        assert "--container-image=nvcr.io/x/y:1" in step.srun and "--container-mounts=/a:/a,/b:/b" in step.srun
+        assert step.command[0] == "python"  # the container's interpreter, not this venv's
+    assert plan.env["NCCL_SOCKET_IFNAME"] == plan.env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert plan.env["NCCL_IB_HCA"] == "mlx5"
+    assert plan_for(nodes=2, env={"NCCL_IB_HCA": "mlx5_0"}).env["NCCL_IB_HCA"] == "mlx5_0"  # inherited
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_dapo.launch.slurm", *args]
+    return subprocess.run(cmd, env=NO_SLURM_ENV, capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_cli_outside_slurm():
+    out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2")
+    assert out.returncode == 0, out.stderr
+    assert "model qwen2.5-32b" in out.stdout and "TP=8 PP=2 CP=2 DP=4" in out.stdout
+    assert out.stdout.count("-m sglang.launch_server") == 16
+    assert "--ntasks=128" in out.stdout
+    js = json.loads(_cli("--recipe", R32, "--dry-run", "--json", "--nodes", "2").stdout)
+    assert js["roles"] == {"node1": ["train", "rollout"], "node2": ["train", "rollout"]}
+    # not dry: needs an allocation; bad input names the culprit
+    out = _cli("--recipe", R32)
+    assert out.returncode == 2 and "not inside a Slurm allocation" in out.stderr
+    out = _cli("--recipe", R32, "--dry-run", "parallel.tpp=2")
+    assert out.returncode == 2 and "parallel.tpp" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_fails_fast_and_tears_down(tmp_path, python):
+    """Real processes in place of srun steps: a server that dies stops everything at once, and names its node."""
+    port = free_port()
+    pids = tmp_path / "pids"
+    server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --pid-dir {pids}"
+    plan = plan_for("parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"),
+                    server_cmd=server + " --fail-on node1 --fail-after 1.5", trainer_cmd="{python} -c pass")  # fmt: skip
+    plan.health_timeout_s = 30
+    for step in plan.servers:  # no srun here: run the step's program directly, reach it on loopback
+        step.srun, step.url = step.command, f"http://127.0.0.1:{port}"
+    plan.trainer.srun = [python, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    lines: list[str] = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    rc = Supervisor(plan, poll_s=0.1, out=Out()).run()
+    text = "".join(lines)
+    assert rc == 1 and time.monotonic() - t0 < 20
+    assert "rollout server on node node1 (step dapo-server-node1) exited with code 1" in text
+    assert f"{plan.log_dir}/server-node1.log" in text
+    assert "stopping dapo-trainer" in text
+    assert json.loads(Path(plan.log_dir, "plan.json").read_text())["servers"][0]["name"] == "dapo-server-node1"
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_success_stops_servers(tmp_path, python):
+    port = free_port()
+    pids = tmp_path / "pids"
+    server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --pid-dir {pids}"
+    plan = plan_for(
+        "parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server
+    )
+    plan.servers[0].srun, plan.servers[0].url = plan.servers[0].command, f"http://127.0.0.1:{port}"
+    probe = (f"import urllib.request as u; assert u.build_opener(u.ProxyHandler({{}})).open("
+             f"'{plan.servers[0].url}/health').status == 200")  # fmt: skip
+    plan.trainer.srun = [python, "-c", probe]
+    assert Supervisor(plan, poll_s=0.1).run() == 0
+    pid = int((pids / "server-node1.pid").read_text())
+    deadline = time.monotonic() + 10
+    while process_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not process_running(pid), "the server was not stopped after the trainer finished"
+
+
+@pytest.mark.timeout(60)
+def test_nemo_without_nemo_run_says_how_to_install():
+    if importlib.util.find_spec("nemo_run") is not None:
+        pytest.skip("nemo-run is installed")
+    out = _cli("--nemo", "--recipe", R32, "--account", "a")
+    assert out.returncode == 2 and "pip install 'megatron-dapo[launch]'" in out.stderr
+
+
+@pytest.mark.timeout(240)
+def test_nemo_local_executor_runs_ranks(tmp_path):
+    """`dapo launch --nemo --executor local`: nemo-run's LocalExecutor runs 2 ranks under torch.distributed.run."""
+    if importlib.util.find_spec("nemo_run") is None:
+        pytest.skip("nemo-run is not installed (optional extra [launch])")
+    env = {**NO_SLURM_ENV, "NEMORUN_HOME": str(tmp_path / "nemo")}
+    cmd = [sys.executable, "-m", "megatron_dapo.launch.slurm", "--nemo", "--executor", "local", "--recipe", R32,
+           "--ntasks-per-node", "2", "--trainer-cmd", f"{{python}} {HERE}/rank_probe.py --out {tmp_path}/ranks"]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=220)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    recs = sorted(
+        (json.loads(p.read_text()) for p in (tmp_path / "ranks").glob("rank-*.json")), key=lambda r: r["RANK"]
+    )
+    assert [(r["RANK"], r["WORLD_SIZE"], r["LOCAL_RANK"]) for r in recs] == [("0", "2", "0"), ("1", "2", "1")]
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_names_the_rank_that_failed_first(tmp_path):
+    """srun reports the failing rank and the ranks it then killed, in either order: name the one that exited."""
+    plan = plan_for("rollout.engine=hf", "rollout.weight_sync=copy", "parallel.tp=2", "parallel.cp=1", nodes=2,
+                    log_dir=str(tmp_path / "logs"))  # fmt: skip
+    srun_says = "srun: error: node1: task 0: Terminated\nsrun: error: node2: task 1: Exited with exit code 7\n"
+    plan.trainer.srun = ["bash", "-c", f"printf '{srun_says}'; exit 143"]
+    lines: list[str] = []
+    sup = Supervisor(plan, poll_s=0.05)
+    sup.say = lines.append
+    assert sup.run() == 1
+    text = "\n".join(lines)
+    assert "failed on node node2, rank 1: Exited with exit code 7 (srun exit code 143)" in text
+    assert f"log: {tmp_path}/logs/trainer-1.log" in text
