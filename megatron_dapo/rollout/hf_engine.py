@@ -1,0 +1,358 @@
+"""The embedded CPU rollout engine: a ``transformers`` causal LM with a compact batched KV-cache decode loop.
+
+    engine = HFEngine(arch, TokenizerInfo(eos_token_ids=(2,), pad_token_id=0))
+    engine.update_weights(bridge_buckets, version=3)        # HF-named full tensors, in process, no disk
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, seed=7), n=8)
+
+Decoding: prompts are left-padded into one batch (attention mask + explicit position ids), prefilled once, then
+decoded one token per step with a ``DynamicCache``; finished rows are dropped from the batch and the cache.
+Sampling per row: logits / T, top-k, top-p, then inverse-CDF sampling with one ``torch.Generator`` per sample
+seeded by ``sample_seed(seed, prompt_index, sample_index)``, so a fixed seed gives the same samples whatever the
+batch size or batch composition (up to float rounding of the padded forward). Temperature 0 = argmax.
+Returned logprobs: ``log_softmax(logits)`` of the sampled token at T=1, unmodified (see ``engine.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.config import ArchConfig
+from megatron_dapo.rollout.engine import (
+    Bucket,
+    RolloutError,
+    Sample,
+    SamplingParams,
+    TokenizerInfo,
+    WeightSyncError,
+    sample_seed,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    try:
+        return getattr(torch, dtype)
+    except AttributeError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or a torch dtype name") from None
+
+
+class HFEngine:
+    """``RolloutEngine`` on a ``transformers`` model (CPU by default)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        tokenizer_info: TokenizerInfo | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        max_batch: int = 64,
+        device: str | torch.device = "cpu",
+        model: torch.nn.Module | None = None,
+        seed: int | None = None,
+    ):
+        self.arch = arch
+        self.dtype = as_dtype(dtype)
+        self.device = torch.device(device)
+        if max_batch < 1:
+            raise ValueError(f"max_batch = {max_batch}: must be >= 1")
+        self.max_batch = max_batch
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            from megatron_dapo.bridge.hf_config import transformers_config
+
+            model = AutoModelForCausalLM.from_config(transformers_config(arch, str(self.dtype).split(".")[-1]))
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.tokenizer = tokenizer_info or _tokenizer_info_from_config(self.model.config)
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", arch.tie_embeddings))
+        self._tensors = dict(self.model.state_dict())  # views sharing storage with the parameters
+        self._version = 0
+        self._abort = threading.Event()
+        self._rng = torch.Generator().manual_seed(seed if seed is not None else torch.seed() & 0x7FFFFFFF)
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        tokenizer_info: TokenizerInfo | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        max_batch: int = 64,
+        device: str | torch.device = "cpu",
+        gguf_file: str | None = None,
+        seed: int | None = None,
+    ) -> HFEngine:
+        """Load an HF checkpoint directory (safetensors + config.json), or a GGUF file in it (dequantized)."""
+        from transformers import AutoModelForCausalLM
+
+        from megatron_dapo.bridge.hf_config import arch_from_hf
+
+        if gguf_file:
+            model = load_gguf_model(Path(path) / gguf_file)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=as_dtype(dtype))
+        arch = arch_from_hf(model.config.to_dict(), name=Path(path).name, source=str(path))
+        return cls(arch, tokenizer_info, dtype=dtype, max_batch=max_batch, device=device, model=model, seed=seed)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Weights
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def weight_names(self) -> list[str]:
+        """The HF tensor names a full update must provide (the tied ``lm_head.weight`` is optional)."""
+        return [n for n in self._tensors if not (self.tied and n == TIED_HEAD)]
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Load HF-named full tensors in place (strict: every weight, no unknown name, same shapes).
+
+        Casts to the engine's dtype. On error the weights are partly updated and ``weight_version`` becomes -1."""
+        self._version = -1
+        seen: set[str] = set()
+        tied_head = None
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    if self.tied and name == TIED_HEAD:
+                        tied_head = tensor  # the same storage as the embedding here: checked below, not loaded
+                    else:
+                        self._load_tensor(name, tensor)
+                    seen.add(name)
+        missing = [n for n in self.weight_names() if n not in seen]
+        if missing:
+            raise WeightSyncError(
+                f"update_weights(version {version}): {len(missing)} tensor(s) missing from the buckets, "
+                f"first: {missing[:5]}"
+            )
+        if tied_head is not None:
+            embed = self._tensors[EMBED]
+            if tuple(tied_head.shape) != tuple(embed.shape) or not torch.equal(tied_head.to(embed), embed):
+                raise WeightSyncError(
+                    f"tensor {TIED_HEAD!r}: embeddings are tied in this model but the sent lm_head differs from "
+                    f"{EMBED!r}"
+                )
+        self._version = int(version)
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        dst = self._tensors.get(name)
+        if dst is None:
+            raise WeightSyncError(
+                f"tensor {name!r}: not a weight of this {self.arch.family} model ({len(self._tensors)} weights, "
+                f"e.g. {next(iter(self._tensors))!r})"
+            )
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise WeightSyncError(f"tensor {name!r}: shape {tuple(tensor.shape)}, the model has {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def state_tensor(self, name: str) -> torch.Tensor:
+        """The engine's current tensor for an HF name (read back for verification)."""
+        if name not in self._tensors:
+            raise WeightSyncError(f"tensor {name!r}: not a weight of this model")
+        return self._tensors[name]
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Lifecycle (nothing to release on CPU)
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def health(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Generation
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Sample]:
+        return [s for group in self.generate_stream(prompts, sampling, n) for s in group]
+
+    def generate_stream(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> Iterator[list[Sample]]:
+        """Groups in prompt order, one micro-batch (``max_batch`` rows, whole groups) at a time; after ``abort()``
+        the running micro-batch ends its samples with 'abort' and no further group is produced."""
+        if n < 1:
+            raise ValueError(f"n = {n}: must be >= 1")
+        self._check_prompts(prompts)
+        self._abort.clear()
+        per_batch = max(1, self.max_batch // n)
+        for start in range(0, len(prompts), per_batch):
+            if self._abort.is_set():
+                return
+            indices = range(start, min(start + per_batch, len(prompts)))
+            rows = [(p, j) for p in indices for j in range(n)]
+            seeds = [self._seed(sampling.seed, p, j) for p, j in rows]
+            samples = self._generate_rows([prompts[p] for p, _ in rows], seeds, sampling)
+            for s, (p, j) in zip(samples, rows):
+                s.prompt_index, s.sample_index = p, j
+            for k in range(len(indices)):
+                group = samples[k * n : (k + 1) * n]
+                if any(s.finish_reason == "abort" for s in group) and self._abort.is_set():
+                    return
+                yield group
+
+    def _seed(self, seed: int | None, p: int, j: int) -> int:
+        s = sample_seed(seed, p, j)
+        return s if s is not None else int(torch.randint(0, 2**31 - 1, (), generator=self._rng))
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        vocab = self.model.config.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RolloutError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= vocab:
+                raise RolloutError(f"prompt {i}: token ids must be in [0, {vocab}), got {min(p)}..{max(p)}")
+
+    def _forward(self, ids, attn, pos, cache, last_only: bool) -> torch.Tensor:
+        kw = {self._cache_kw: cache}
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **kw,
+        )
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], sp: SamplingParams) -> list[Sample]:
+        from transformers import DynamicCache
+
+        dev, B = self.device, len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((B, width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((B, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, pos = ids.to(dev), attn.to(dev), pos.to(dev)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            cache = DynamicCache()
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        stop = torch.tensor(sorted(set(self.tokenizer.eos_token_ids) | set(sp.stop_token_ids)), dtype=torch.long)
+        tokens = torch.zeros((B, sp.max_new_tokens), dtype=torch.long)
+        logps = torch.zeros((B, sp.max_new_tokens), dtype=torch.float64)
+        length = torch.full((B,), sp.max_new_tokens, dtype=torch.long)
+        finish = ["length"] * B
+        active = torch.arange(B)  # rows still generating (indices into the batch)
+        next_pos = attn.sum(-1)
+        logits = self._forward(ids, attn, pos, cache, last_only=True)
+        for step in range(sp.max_new_tokens):
+            tok, lp = sample_tokens(logits, sp, [gens[i] for i in active.tolist()])
+            tok, lp = tok.cpu(), lp.cpu()
+            tokens[active, step], logps[active, step] = tok, lp.double()
+            stopped = torch.isin(tok, stop)
+            for i in active[stopped].tolist():
+                finish[i], length[i] = "stop", step + 1
+            keep = ~stopped
+            if step + 1 == sp.max_new_tokens or not keep.any():
+                break
+            if self._abort.is_set():
+                for i in active[keep].tolist():
+                    finish[i], length[i] = "abort", step + 1
+                break
+            if not keep.all():
+                sel = keep.nonzero().squeeze(1)
+                cache.batch_select_indices(sel.to(dev))
+                attn, next_pos = attn[sel.to(dev)], next_pos[sel.to(dev)]
+                tok, active = tok[sel], active[sel]
+            attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
+            logits = self._forward(tok[:, None].to(dev), attn, next_pos[:, None], cache, last_only=False)
+            next_pos = next_pos + 1
+        samples = []
+        for i in range(B):
+            ids_i = tokens[i, : length[i]].tolist()
+            samples.append(
+                Sample(
+                    prompt_ids=list(prompts[i]),
+                    response_ids=ids_i,
+                    logprobs=logps[i, : length[i]].tolist() if sp.logprobs else [],
+                    finish_reason=finish[i],  # type: ignore[arg-type]
+                    text=self.tokenizer.text(ids_i),
+                    weight_version=self._version,
+                )
+            )
+        return samples
+
+
+def load_gguf_model(path: str | Path) -> torch.nn.Module:
+    """A transformers model from a GGUF file, dequantized, without ``accelerate`` (which transformers'
+    ``from_pretrained(..., gguf_file=...)`` requires and the CPU environment does not have)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = str(path)
+    config = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
+    config.pop("_model_name_or_path", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in result.missing_keys if not (k == TIED_HEAD and model.config.tie_word_embeddings)]
+    if missing or result.unexpected_keys:
+        raise RolloutError(
+            f"{path}: GGUF tensors do not fit the model: missing {missing}, unexpected {result.unexpected_keys}"
+        )
+    return model
+
+
+def sample_tokens(
+    logits: torch.Tensor, sp: SamplingParams, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens, logprob of each token under log_softmax(logits) at T=1)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    if sp.greedy:
+        tok = logits.argmax(dim=-1)
+    else:
+        probs = torch.softmax(filter_logits(logits / sp.temperature, sp.top_k, sp.top_p), dim=-1)
+        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
+        cdf = probs.double().cumsum(dim=-1)
+        tok = (cdf < (u * cdf[:, -1]).unsqueeze(-1)).sum(dim=-1)
+        last_valid = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        tok = torch.minimum(tok, last_valid)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def filter_logits(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and outside the smallest set with probability >= top_p."""
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        drop_sorted = (p.cumsum(dim=-1) - p) > top_p  # mass before this token already covers top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def _tokenizer_info_from_config(config) -> TokenizerInfo:
+    eos = getattr(config, "eos_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    pad_id = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
+    return TokenizerInfo(eos_token_ids=eos_ids, pad_token_id=int(pad_id))

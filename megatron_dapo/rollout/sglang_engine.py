@@ -1,0 +1,520 @@
+"""The GPU rollout engine: SGLang servers driven over HTTP (sglang itself is imported by nothing here).
+
+    servers = [SGLangServer(hf_dir, port=30000, tp_size=8, mem_fraction=0.6, memory_saver=True)]
+    engine = SGLangEngine(servers, tokenizer_info=tok, resync=lambda dead: weight_sync.sync(export(), v, dead))
+    for group in engine.generate_stream(prompts, sampling, n=16): ...
+    engine.shutdown()                                        # stops only the processes it started
+
+* ``SGLangServer``: one ``python -m sglang.launch_server`` subprocess (own process group, log file) or an attached
+  URL. ``wait_healthy`` polls /health and fails with the log tail; ``stop`` signals only its own process group.
+* ``SGLangEngine``: one HTTP request per sample (rid, ``sampling_seed``), bounded by ``max_concurrency`` threads
+  (stdlib ``urllib``: no aiohttp/httpx dependency). /generate goes to ``router_url`` (sglang-router) when given,
+  else round-robin over the workers; weight-sync, memory and abort calls always go to the workers (the router
+  answers 404 for weight sync). A request that fails because a server died is re-issued after the engine, in the
+  caller's thread, restarted the dead server (or waited for an attached one) and called ``resync(dead_servers)``
+  to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests.
+* Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so ``output_token_logprobs`` are the raw T=1
+  log-softmax, the convention of ``engine.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_dapo.rollout import sglang_types as T
+from megatron_dapo.rollout.engine import Bucket, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class ServerUnavailable(RolloutError):
+    """No answer (connection refused/reset, timeout): the server may be dead."""
+
+
+class ServerRequestError(RolloutError):
+    """The server answered with an HTTP error status."""
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route local servers via a proxy
+
+
+def http_call(url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None):
+    """One JSON request; returns the parsed JSON answer (or text, or None when empty)."""
+    data = json.dumps(body).encode() if body is not None else None
+    method = method or ("POST" if data is not None else "GET")
+    req = urllib.request.Request(
+        url.rstrip("/") + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:1000].decode(errors="replace")
+        raise ServerRequestError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
+        raise ServerUnavailable(f"{method} {url}{path}: {e}") from e
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Server lifecycle
+
+
+class SGLangServer:
+    """One SGLang server: a subprocess this object started, or an attached URL (never stopped by us)."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        tp_size: int = 1,
+        mem_fraction: float = 0.6,
+        memory_saver: bool = False,
+        dtype: str | None = None,
+        extra_args: Sequence[str] = (),
+        launcher: Sequence[str] | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        url: str | None = None,
+    ):
+        if url is None and model_path is None:
+            raise ValueError("SGLangServer: give model_path (to start a server) or url (to attach to one)")
+        self.model_path = str(model_path) if model_path is not None else None
+        self.host, self.tp_size, self.mem_fraction, self.memory_saver = host, tp_size, mem_fraction, memory_saver
+        self.dtype = DTYPE_NAMES.get(dtype, dtype) if dtype else None
+        self.extra_args = list(extra_args)
+        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
+        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **(env or {})}
+        self.attached = url is not None
+        self.port = port if port is not None else (None if self.attached else free_port(host))
+        self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
+        self.log_path = (
+            Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        )
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @classmethod
+    def attach(cls, url: str, tp_size: int = 1) -> SGLangServer:
+        return cls(url=url, tp_size=tp_size)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def __repr__(self) -> str:
+        return f"SGLangServer({self.url}{', attached' if self.attached else ''})"
+
+    def argv(self) -> list[str]:
+        args = [*self.launcher, "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
+        args += ["--tp-size", str(self.tp_size), "--mem-fraction-static", str(self.mem_fraction)]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.memory_saver:
+            args.append("--enable-memory-saver")
+        return args + self.extra_args
+
+    def start(self) -> None:
+        if self.attached:
+            raise RolloutError(f"{self}: attached to an existing server; it cannot be started from here")
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n==== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
+            logf.flush()
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # own process group: stop() signals it and nothing else
+            )
+        self.starts += 1
+        log.info("started %s (pid %d), log %s", self, self.proc.pid, self.log_path)
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            http_call(self.url, "/health", timeout=timeout)
+            return True
+        except RolloutError:
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health until it answers 200; raise with the log tail on timeout or when the process exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RolloutError(
+                    f"{self} exited with code {self.proc.returncode} before becoming healthy; "
+                    f"log {self.log_path}, last lines:\n{self.log_tail()}"
+                )
+            if self.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):
+                return
+            if time.monotonic() >= deadline:
+                raise RolloutError(
+                    f"{self} not healthy after {timeout:.0f} s (GET /health); log {self.log_path}, "
+                    f"last lines:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Terminate the process group this object started (SIGTERM, then SIGKILL); attached servers are left alone."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)  # pgid == pid (start_new_session)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def restart(self, timeout: float) -> None:
+        self.stop()
+        self.start()
+        self.wait_healthy(timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class _Failed:
+    """A request that got no answer (server down): the caller's thread recovers and re-issues it."""
+
+    key: tuple[int, int]
+    error: Exception
+
+
+class SGLangEngine:
+    """``RolloutEngine`` over SGLang servers (HTTP)."""
+
+    def __init__(
+        self,
+        servers: Sequence[SGLangServer],
+        *,
+        router_url: str | None = None,
+        tokenizer_info: TokenizerInfo | None = None,
+        dtype: str = "bfloat16",
+        max_concurrency: int = 512,
+        request_timeout: float = 3600.0,
+        server_timeout: float = 600.0,
+        max_retries: int = 3,
+        resync: Callable[[list[SGLangServer]], None] | None = None,
+        start: bool = True,
+    ):
+        if not servers:
+            raise ValueError("SGLangEngine needs at least one server")
+        self.servers = list(servers)
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.tokenizer = tokenizer_info
+        self.dtype = DTYPE_NAMES.get(dtype, dtype)
+        self.request_timeout, self.server_timeout, self.max_retries = request_timeout, server_timeout, max_retries
+        self.resync = resync
+        self.metrics = {"requests": 0, "reissued": 0, "restarts": 0, "aborted": 0}
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-req")
+        self._lock = threading.Lock()
+        self._rr = 0
+        self._version = 0
+        self._inflight: dict[str, str] = {}  # rid -> URL it was sent to
+        self._abort_gen = 0  # bumped by abort(); requests of an older generation are dropped
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str | Path, tokenizer_info: TokenizerInfo | None = None, log_dir=None):
+        """Attach to ``rollout.server_urls`` or start one local server with the rollout section's settings."""
+        r = cfg.rollout
+        if r.server_urls:
+            servers = [SGLangServer.attach(u, tp_size=r.sglang_tp) for u in r.server_urls]
+        else:
+            log_path = Path(log_dir) / "sglang_server.log" if log_dir else None
+            servers = [
+                SGLangServer(
+                    model_path,
+                    port=cfg.cluster.server_port,
+                    tp_size=r.sglang_tp,
+                    mem_fraction=r.mem_fraction,
+                    memory_saver=r.colocate,
+                    dtype=cfg.model.dtype,
+                    log_path=log_path,
+                )
+            ]
+        return cls(
+            servers,
+            tokenizer_info=tokenizer_info,
+            dtype=cfg.model.dtype,
+            max_concurrency=r.max_concurrency,
+            server_timeout=r.server_timeout_s,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Lifecycle
+
+    def start(self) -> None:
+        for s in self.servers:
+            if not s.attached:
+                s.start()
+        for s in self.servers:
+            s.wait_healthy(self.server_timeout)
+
+    def shutdown(self) -> None:
+        self.abort()
+        for s in self.servers:
+            s.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def health(self) -> bool:
+        return all(s.healthy() for s in self.servers)
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def call_workers(
+        self, path: str, body: dict | None, servers: Sequence[SGLangServer] | None = None, timeout: float | None = None
+    ) -> list:
+        """The same call on every worker (in parallel); answers in worker order. Errors name the worker."""
+        servers = list(servers) if servers is not None else self.servers
+        timeout = timeout or self.server_timeout
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
+            futures = [ex.submit(http_call, s.url, path, body, timeout) for s in servers]
+            return [f.result() for f in futures]
+
+    def sleep(self, tags: list[str] | None = None) -> None:
+        """Release GPU memory (servers need --enable-memory-saver, i.e. rollout.colocate)."""
+        self.call_workers("/release_memory_occupation", T.ReleaseMemoryRequest(tags=tags).to_json())
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        self.call_workers("/resume_memory_occupation", T.ResumeMemoryRequest(tags=tags).to_json())
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Protocol method: a plain (unverified) update through safetensors on disk. The trainer uses
+        ``weight_sync.make_weight_sync`` for the configured transport with verification."""
+        from megatron_dapo.rollout.weight_sync import DiskSync
+
+        DiskSync(self, verify="off").sync(buckets, version)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Generation
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Sample]:
+        groups = sorted(self.generate_stream(prompts, sampling, n), key=lambda g: g[0].prompt_index)
+        return [s for g in groups for s in g]
+
+    def generate_stream(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> Iterator[list[Sample]]:
+        if n < 1:
+            raise ValueError(f"n = {n}: must be >= 1")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise RolloutError(f"prompt {i} is empty")
+        gen = self._abort_gen
+        tag = uuid.uuid4().hex[:12]
+        attempts: dict[tuple[int, int], int] = {}
+        pending: set[cf.Future] = set()
+        done: dict[int, dict[int, Sample]] = {}
+
+        def submit(key: tuple[int, int]) -> None:
+            attempts[key] = attempts.get(key, 0) + 1
+            p, j = key
+            rid = f"{tag}-{p}-{j}-{attempts[key]}"
+            req = self._request(prompts[p], sampling, sample_seed(sampling.seed, p, j), rid)
+            pending.add(self._pool.submit(self._run, key, req, gen))
+
+        for p in range(len(prompts)):
+            for j in range(n):
+                submit((p, j))
+        try:
+            while pending:
+                finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                for fut in finished:
+                    pending.discard(fut)
+                    if fut.cancelled():
+                        continue
+                    result = fut.result()
+                    if self._abort_gen != gen:
+                        continue
+                    if isinstance(result, _Failed):
+                        if attempts[result.key] > self.max_retries:
+                            raise RolloutError(
+                                f"prompt {result.key[0]} sample {result.key[1]}: no answer after "
+                                f"{attempts[result.key]} attempts: {result.error}"
+                            )
+                        self._recover()
+                        self.metrics["reissued"] += 1
+                        submit(result.key)
+                        continue
+                    p, j = result.prompt_index, result.sample_index
+                    done.setdefault(p, {})[j] = result
+                    if len(done[p]) == n:
+                        group = done.pop(p)
+                        yield [group[k] for k in range(n)]
+                if self._abort_gen != gen:
+                    return
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def _request(self, prompt: list[int], sp: SamplingParams, seed: int | None, rid: str) -> T.GenerateRequest:
+        stop = sorted(set(sp.stop_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        return T.GenerateRequest(
+            input_ids=list(prompt),
+            sampling_params=T.SGLangSamplingParams(
+                max_new_tokens=sp.max_new_tokens,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k if sp.top_k > 0 else -1,
+                stop_token_ids=stop or None,
+                sampling_seed=seed,
+            ),
+            return_logprob=sp.logprobs,
+            rid=rid,
+        )
+
+    def _pick_url(self) -> str:
+        if self.router_url:
+            return self.router_url
+        with self._lock:
+            self._rr = (self._rr + 1) % len(self.servers)
+            return self.servers[self._rr].url
+
+    def _run(self, key: tuple[int, int], req: T.GenerateRequest, gen: int) -> Sample | _Failed:
+        url = self._pick_url()
+        rid = str(req.rid)
+        with self._lock:
+            self._inflight[rid] = url
+            self.metrics["requests"] += 1
+        try:
+            if self._abort_gen != gen:
+                raise cf.CancelledError
+            answer = http_call(url, "/generate", req.to_json(), timeout=self.request_timeout)
+            resp = T.GenerateResponse.from_json(answer)
+        except ServerUnavailable as e:
+            return _Failed(key, e)
+        except cf.CancelledError:
+            resp = T.GenerateResponse(meta_info=T.MetaInfo(id=rid, finish_reason=T.FinishReason("abort")))
+        finally:
+            with self._lock:
+                self._inflight.pop(rid, None)
+        return self._sample(key, req, resp)
+
+    def _sample(self, key: tuple[int, int], req: T.GenerateRequest, resp: T.GenerateResponse) -> Sample:
+        ids, logprobs = resp.token_ids, resp.logprobs
+        if req.return_logprob and len(logprobs) != len(ids):
+            raise RolloutError(f"request {req.rid}: {len(ids)} output tokens but {len(logprobs)} logprobs")
+        finish = resp.finish_type
+        if finish == "abort":
+            with self._lock:
+                self.metrics["aborted"] += 1
+        version = resp.meta_info.weight_version
+        return Sample(
+            prompt_ids=list(req.input_ids),
+            response_ids=ids,
+            logprobs=logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+            text=resp.text if resp.text or self.tokenizer is None else self.tokenizer.text(ids),
+            prompt_index=key[0],
+            sample_index=key[1],
+            weight_version=int(version) if str(version).lstrip("-").isdigit() else self._version,
+            meta={"rid": req.rid},
+        )
+
+    def abort(self) -> None:
+        """Drop every request in flight: unstarted ones are cancelled, running ones get /abort_request by rid."""
+        with self._lock:
+            self._abort_gen += 1
+            inflight = dict(self._inflight)
+        urls_by_rid = {rid: ([u] if u != self.router_url else self.worker_urls) for rid, u in inflight.items()}
+        calls = [(u, rid) for rid, urls in urls_by_rid.items() for u in urls]
+        if not calls:
+            return
+        with cf.ThreadPoolExecutor(max_workers=min(32, len(calls))) as ex:
+            for fut in [
+                ex.submit(http_call, u, "/abort_request", T.AbortRequest(rid=rid).to_json(), 30) for u, rid in calls
+            ]:
+                try:
+                    fut.result()
+                except RolloutError as e:  # a dead server has nothing left to abort
+                    log.warning("abort: %s", e)
+
+    def _recover(self) -> None:
+        """Restart (or wait for) every unhealthy server, then resync it to the current weight version."""
+        dead = [s for s in self.servers if not s.healthy()]
+        if not dead:
+            return
+        for s in dead:
+            self.metrics["restarts"] += 1
+            log.warning("%s is down; %s", s, "waiting for it" if s.attached else "restarting it")
+            if s.attached:
+                s.wait_healthy(self.server_timeout)
+            else:
+                s.restart(self.server_timeout)
+        if self._version != 0:
+            if self.resync is None:
+                raise RolloutError(
+                    f"{dead} restarted with the initial weights but the engine is at weight version {self._version} "
+                    "and no resync callback was given: refusing to sample from stale weights"
+                )
+            self.resync(dead)

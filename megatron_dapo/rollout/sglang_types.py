@@ -1,0 +1,278 @@
+"""Typed requests/responses for the SGLang 0.5.x HTTP endpoints used in RL (see /work/shared/SGLANG_API.md).
+
+SGLang accepts unknown top-level fields silently, so a misspelt field is never an error there: every request this
+project sends is built from one of these dataclasses. ``to_json()`` drops optional fields that are None (the
+server then uses its default); ``from_json()`` is strict for requests (an unknown key raises, naming it) and
+lenient for responses (servers add fields over versions). ``X.from_json(x.to_json()) == x`` for every type.
+No import of sglang here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+FINISH_TYPES = ("stop", "length", "abort")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class SchemaError(ValueError):
+    """A JSON body does not match the schema; the message names the type and the key."""
+
+
+class _Json:
+    STRICT: ClassVar[bool] = True  # requests: unknown keys are errors
+    NESTED: ClassVar[dict[str, type]] = {}  # field -> dataclass type of a nested object
+
+    def to_json(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            out[f.name] = _plain(value)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any):
+        if not isinstance(data, dict):
+            raise SchemaError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown and cls.STRICT:
+            raise SchemaError(f"{cls.__name__}: unknown field(s) {unknown}; known: {sorted(names)}")
+        kwargs = {}
+        for key in names & set(data):
+            value = data[key]
+            nested = cls.NESTED.get(key)
+            kwargs[key] = nested.from_json(value) if nested is not None and value is not None else value
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [k for k in required if k not in kwargs]
+        if missing:
+            raise SchemaError(f"{cls.__name__}: missing required field(s) {missing}")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise SchemaError(f"{cls.__name__}: {e}") from e
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Json):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# /generate
+
+
+@dataclass
+class SGLangSamplingParams(_Json):
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    sampling_seed: int | None = None  # honoured by SGLang with --enable-deterministic-inference
+
+    def __post_init__(self) -> None:
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+
+@dataclass
+class GenerateRequest(_Json):
+    input_ids: list  # list[int] (one prompt) or list[list[int]] (a batch)
+    sampling_params: SGLangSamplingParams = field(default_factory=SGLangSamplingParams)
+    return_logprob: bool = True
+    logprob_start_len: int | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    NESTED: ClassVar[dict[str, type]] = {"sampling_params": SGLangSamplingParams}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_ids, list) or not self.input_ids:
+            raise SchemaError("GenerateRequest: input_ids must be a non-empty list of token ids (or of lists)")
+
+
+@dataclass
+class FinishReason(_Json):
+    type: str
+    matched: int | str | None = None  # the stop token / string that ended generation
+    length: int | None = None
+    message: str | None = None
+    STRICT: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.type not in FINISH_TYPES:
+            raise SchemaError(f"FinishReason: type = {self.type!r}: expected one of {FINISH_TYPES}")
+
+
+@dataclass
+class MetaInfo(_Json):
+    id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    output_token_logprobs: list | None = None  # [(logprob, token_id, token_text | None), ...]
+    weight_version: str | None = None
+    STRICT: ClassVar[bool] = False
+    NESTED: ClassVar[dict[str, type]] = {"finish_reason": FinishReason}
+
+    def __post_init__(self) -> None:
+        if self.output_token_logprobs is not None:
+            self.output_token_logprobs = [tuple(x) for x in self.output_token_logprobs]
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        if "finish_reason" not in out:
+            out["finish_reason"] = None  # SGLang reports null while a request is unfinished
+        return out
+
+
+@dataclass
+class GenerateResponse(_Json):
+    text: str = ""
+    output_ids: list[int] | None = None
+    meta_info: MetaInfo = field(default_factory=MetaInfo)
+    STRICT: ClassVar[bool] = False
+    NESTED: ClassVar[dict[str, type]] = {"meta_info": MetaInfo}
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self.output_ids is not None:
+            return [int(t) for t in self.output_ids]
+        return [int(t) for _, t, *_ in self.meta_info.output_token_logprobs or []]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [float(lp) for lp, *_ in self.meta_info.output_token_logprobs or []]
+
+    @property
+    def finish_type(self) -> str:
+        fr = self.meta_info.finish_reason
+        return fr.type if fr is not None else "abort"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Weight sync, memory, control
+
+
+@dataclass
+class UpdateWeightsFromTensorRequest(_Json):
+    serialized_named_tensors: list[str]  # one base64 MultiprocessingSerializer payload per SGLang TP rank
+    load_format: str | None = None  # e.g. "flattened_bucket"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class InitWeightsUpdateGroupRequest(_Json):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class UpdateWeightsFromDistributedRequest(_Json):
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without "torch.", e.g. "bfloat16"
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+    load_format: str | None = None
+
+    def __post_init__(self) -> None:
+        self.shapes = [[int(d) for d in s] for s in self.shapes]
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise SchemaError(
+                f"UpdateWeightsFromDistributedRequest: names/dtypes/shapes lengths differ "
+                f"({len(self.names)}/{len(self.dtypes)}/{len(self.shapes)})"
+            )
+
+
+@dataclass
+class DestroyWeightsUpdateGroupRequest(_Json):
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class UpdateWeightsFromDiskRequest(_Json):
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+@dataclass
+class ReleaseMemoryRequest(_Json):
+    tags: list[str] | None = None  # None = all of MEMORY_TAGS
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.tags or [] if t not in MEMORY_TAGS]
+        if bad:
+            raise SchemaError(f"{type(self).__name__}: unknown memory tag(s) {bad}; known: {MEMORY_TAGS}")
+
+
+@dataclass
+class ResumeMemoryRequest(ReleaseMemoryRequest):
+    pass
+
+
+@dataclass
+class GetWeightsByNameRequest(_Json):
+    name: str
+    truncate_size: int = 100  # SGLang returns the first `truncate_size` ROWS (dim 0) as nested float lists
+
+
+@dataclass
+class AbortRequest(_Json):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclass
+class UpdateWeightVersionRequest(_Json):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass
+class SuccessResponse(_Json):
+    success: bool
+    message: str = ""
+    num_paused_requests: int | None = None
+    STRICT: ClassVar[bool] = False
+
+
+# endpoint -> request type (the stand-in test server and the docs test use this table)
+ENDPOINTS: dict[str, type] = {
+    "/generate": GenerateRequest,
+    "/update_weights_from_tensor": UpdateWeightsFromTensorRequest,
+    "/init_weights_update_group": InitWeightsUpdateGroupRequest,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedRequest,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupRequest,
+    "/update_weights_from_disk": UpdateWeightsFromDiskRequest,
+    "/release_memory_occupation": ReleaseMemoryRequest,
+    "/resume_memory_occupation": ResumeMemoryRequest,
+    "/get_weights_by_name": GetWeightsByNameRequest,
+    "/abort_request": AbortRequest,
+    "/update_weight_version": UpdateWeightVersionRequest,
+}
