@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.data.dataset import DataError
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # megatron-core warns at import that TE/apex are absent: expected on CPU, where the local spec is used.
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

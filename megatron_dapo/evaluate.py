@@ -11,7 +11,7 @@ from megatron_dapo.rollout.engine import SamplingParams
 
 def run_eval(engine, scorer, datasets: dict, e: EvalConfig, default_max_new_tokens: int, seed: int) -> dict[str, float]:
     """``datasets``: name -> PromptDataset (one item per problem). Keys: ``eval/<name>/{avg,pass,maj}@k``."""
-    records = []
+    records, counts = [], {}
     for name, data in datasets.items():
         sampling = SamplingParams(
             temperature=0.0 if e.greedy else e.temperature,
@@ -26,7 +26,8 @@ def run_eval(engine, scorer, datasets: dict, e: EvalConfig, default_max_new_toke
             records.append(
                 {"data_source": name, "problem_id": s.prompt_index, "pred": r.get("pred"), "acc": bool(r["acc"])}
             )
-    return eval_metrics(records)
+        counts.update({f"eval/{name}/problems": float(len(items)), f"eval/{name}/samples": float(len(samples))})
+    return {**eval_metrics(records), **counts}
 
 
 def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
@@ -40,7 +41,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
     from megatron_dapo.trainer import RolloutDriver, broadcast, is_driver
 
     arch = ArchConfig(**read_meta(path)["arch"])
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
     d = cfg.data
     datasets = {
         Path(f).stem: PromptDataset.from_files([f], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()

@@ -84,7 +84,7 @@ class Trainer:
         self.arch = load_arch(cfg.model.arch)
         self.run_dir = Path(cfg.train.run_dir) / cfg.train.name
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
         self.train_data, self.eval_data = build_prompt_datasets(cfg, self.tokenizer)  # fails before any compute
         self.prompts = PromptIterator(self.train_data, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.sampler = DynamicSampler(
@@ -190,7 +190,7 @@ class Trainer:
                 target = supervised_target_ids(self.tokenizer, it.ground_truth)
                 seqs.append(Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids)))
             m = self.actor.supervised_step(seqs, lr=t.supervised_lr)
-            if k % 25 == 0 or k == t.supervised_warmup_steps:
+            if k % 10 == 0 or k == t.supervised_warmup_steps:  # accuracy jumps fast: check often
                 self.rollout.sync_weights(self.actor, version=0)
                 acc = broadcast(self.evaluate(0) if is_driver() else None)
                 score = min((v for key, v in acc.items() if key.endswith("avg@1")), default=0.0)
@@ -224,6 +224,10 @@ class Trainer:
         if path is None:
             if self.cfg.model.load:
                 self.actor.load(self.cfg.model.load, load_optimizer=False)
+            elif self.cfg.model.hf_init:
+                from megatron_dapo.bridge.load import load_hf_into_model
+
+                load_hf_into_model(self.actor.model, self.arch, self.cfg.model.hf_init, te=self.actor.te)
             return 0
         extra = self.actor.load(path)
         self.prompts.load_state_dict(extra["prompts"])

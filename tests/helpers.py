@@ -11,8 +11,17 @@ SHARED = REPO.parent / "shared"
 
 def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun (gloo on CPU) and fail with its output if it fails or hangs."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-port=0",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        str(script),
+        *map(str, args),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -21,3 +30,29 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> s
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_char_hf_tokenizer(directory: Path) -> Path:
+    """Save a real HF fast tokenizer with one token per printable ASCII character (+ 3 specials, ChatML template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in [chr(c) for c in range(32, 127)] + ["\n"]:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2]
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(directory)
+    return Path(directory)

@@ -17,36 +17,16 @@ from megatron_dapo.data.dataset import (
     prompt_key,
 )
 from megatron_dapo.data.tokenizer import CharTokenizer, load_tokenizer
+from tests.helpers import make_char_hf_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 AIME = REPO.parent / "shared" / "data" / "aime-2024.parquet"
-SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory):
-    """A real HF fast tokenizer with one token per character (+ 3 special tokens) and a ChatML template, saved to
-    disk and loaded back through ``load_tokenizer`` (AutoTokenizer, local files only)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in [chr(c) for c in range(32, 127)] + ["\n"]:
-        vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2]
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    directory = tmp_path_factory.mktemp("hf_tokenizer")
-    tok.save_pretrained(directory)
-    loaded = load_tokenizer(directory)
+    """A real HF fast tokenizer (one token per character, ChatML template), loaded back through ``load_tokenizer``."""
+    loaded = load_tokenizer(make_char_hf_tokenizer(tmp_path_factory.mktemp("hf_tokenizer")))
     assert not isinstance(loaded, CharTokenizer)
     return loaded
 
