@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# The only CPU shim this needs (rotary embedding / buffers call torch.cuda.current_device()); kept to this worker.
-if not torch.cuda.is_available():
-    torch.cuda.current_device = lambda: "cpu"
+from megatron_dapo.actor.cpu import apply_cpu_shims  # the project's one place for CPU shims
+
+apply_cpu_shims()
 
 
 def main(out: str, arch_json: str, tp: int) -> None:

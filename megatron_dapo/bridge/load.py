@@ -1,0 +1,52 @@
+"""Load an HF checkpoint straight into a live, sharded megatron model (``model.hf_init``): each rank reads only the
+tensors of its pipeline stage and keeps only its tensor-parallel shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.bridge.convert import hf_weight_files, read_st_header, read_st_tensor
+from megatron_dapo.bridge.hf_config import arch_from_hf, compare_arch, read_hf_config
+from megatron_dapo.bridge.mappings import Param
+from megatron_dapo.bridge.reshard import local_name, split_tp, stage_params
+from megatron_dapo.config import ArchConfig, ConfigError
+
+
+def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: bool = False) -> int:
+    """Copy the HF weights into this rank's parameters; returns the number of parameters loaded."""
+    from megatron.core import parallel_state as ps
+
+    hf_dir = Path(hf_dir)
+    compare_arch(arch, arch_from_hf(read_hf_config(hf_dir), source=str(hf_dir)), str(hf_dir / "config.json"))
+    entries = {}
+    for f in hf_weight_files(hf_dir):
+        entries.update(read_st_header(f))
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    model = model_chunks[0].module if hasattr(model_chunks[0], "module") else model_chunks[0]
+    own = dict(model.named_parameters())
+
+    def shard(p: Param) -> torch.Tensor:
+        missing = [n for n in p.hf if n not in entries]
+        if missing:
+            raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing (needed for {p.megatron})")
+        return split_tp(p, p.to_megatron([read_st_tensor(entries[n]) for n in p.hf]), tp)[tp_rank]
+
+    loaded = 0
+    for p in stage_params(arch, pp, stage):
+        name = local_name(p, pp, te)
+        target = own[name]
+        value = shard(p)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigError(f"{hf_dir}: {p.hf[0]} gives {tuple(value.shape)} for {name}, model has {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+        loaded += 1
+    if arch.tie_embeddings and pp > 1 and stage == pp - 1:  # the last stage's copy of the tied embedding
+        embed = next(p for p in stage_params(arch, pp, 0) if p.megatron.startswith("embedding."))
+        with torch.no_grad():
+            own["output_layer.weight"].copy_(shard(embed))
+        loaded += 1
+    return loaded
