@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_dapo.config import ArchConfig, ConfigError
@@ -10,7 +11,11 @@ from megatron_dapo.config import ArchConfig, ConfigError
 # Per family: HF architecture class, model_type, and the config.json fields that are fixed for the family.
 FAMILIES = {
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "fixed": {"hidden_act": "silu"}},
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "fixed": {"hidden_act": "silu", "mlp_bias": False}},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "fixed": {"hidden_act": "silu", "mlp_bias": False},
+    },
 }
 
 # ArchConfig field -> HF config.json key (shared by both families).
@@ -46,6 +51,13 @@ def arch_from_hf(hf_config: dict, name: str = "hf", source: str = "config.json")
     if missing:
         raise ConfigError(f"{source}: missing keys {missing}")
     kwargs = {field: hf_config[key] for field, key in FIELDS.items() if key in hf_config}
+    # transformers >= 5 nests RoPE settings in "rope_parameters" (4.x: top-level rope_theta + "rope_scaling").
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    if "rope_theta" not in hf_config and "rope_theta" in rope:
+        kwargs["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"{source}: rope type {rope_type!r}: only plain RoPE ('default') is supported")
     kwargs.setdefault("num_query_groups", hf_config["num_attention_heads"])
     head_dim = hf_config.get("head_dim")
     if head_dim and head_dim != hf_config["hidden_size"] // hf_config["num_attention_heads"]:
@@ -73,11 +85,27 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 
 
 def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
-    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias)."""
-    for field in ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "vocab_size", "tie_embeddings", "qkv_bias", "head_dim"):
+    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
+    RoPE base, norm epsilon)."""
+    for field in (
+        "family",
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+        "tie_embeddings",
+        "qkv_bias",
+        "head_dim",
+        "rope_theta",
+        "norm_eps",
+    ):
         a, b = getattr(expected, field), getattr(actual, field)
-        if a != b:
+        if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
+            if not math.isclose(float(a), float(b), rel_tol=1e-6):
+                raise ConfigError(f"{source}: {field} mismatch: model config has {a!r}, checkpoint has {b!r}")
+        elif a != b:
             raise ConfigError(f"{source}: {field} mismatch: model config has {a!r}, checkpoint has {b!r}")
 
 

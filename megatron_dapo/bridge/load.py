@@ -40,7 +40,9 @@ def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: b
         target = own[name]
         value = shard(p)
         if tuple(value.shape) != tuple(target.shape):
-            raise ConfigError(f"{hf_dir}: {p.hf[0]} gives {tuple(value.shape)} for {name}, model has {tuple(target.shape)}")
+            raise ConfigError(
+                f"{hf_dir}: {p.hf[0]} gives {tuple(value.shape)} for {name}, model has {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(value)
         loaded += 1

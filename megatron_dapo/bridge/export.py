@@ -1,0 +1,144 @@
+"""HF-named full tensors from a live, sharded megatron-core model (the weight sync to the rollout engine).
+
+    for bucket in export_hf_tensors(model_chunks, arch):     # EVERY rank iterates to the end (collectives inside)
+        if bucket:                                           # only receiving ranks get tensors
+            engine.update_weights(bucket)                    # [(hf_name, full tensor), ...], <= bucket_bytes
+
+Who receives (``dst``):
+* ``"rank0"`` (default): the first rank of the model replica (global rank 0) gets every tensor; the TP ranks of each
+  stage all-gather over ``parallel_state.get_tensor_model_parallel_group()``, then the stage's TP rank 0 sends the full
+  tensors point to point to that rank.
+* ``"stage"``: each PP stage's TP rank 0 gets the tensors of its own stage (no PP traffic; e.g. one SGLang sender per
+  stage).
+
+Only data-parallel (and context-parallel) rank 0's replica takes part; the other replicas hold the same weights and
+return at once. Vocabulary padding is stripped; a tied lm_head is not sent (the HF model ties it to the embedding);
+with tied embeddings and PP > 1 the last stage's copy of the embedding is skipped. A tensor larger than
+``bucket_bytes`` forms a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_dapo.bridge.mappings import Param, canonical_name, split_layer, table_for
+from megatron_dapo.bridge.reshard import gather_tp
+from megatron_dapo.config import ArchConfig
+
+_DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):  # DDP, Float16Module
+        module = module.module
+    return module
+
+
+def local_parameters(model_chunks, arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """This rank's parameter shards by canonical name (global layer index, local-spec spelling)."""
+    out = {}
+    for chunk in model_chunks:
+        chunk = _unwrap(chunk)
+        layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+        for name, p in chunk.named_parameters():
+            name = canonical_name(name)
+            local, rest = split_layer(name)
+            if local is not None:
+                name = f"decoder.layers.{layers[local].layer_number - 1}.{rest}"
+            elif name == "output_layer.weight" and arch.tie_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            out[name] = p
+    return out
+
+
+def _bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def export_hf_tensors(
+    model_chunks, arch: ArchConfig, bucket_bytes: int = 512 << 20, dst: str = "rank0"
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of ``(hf_name, full tensor)`` from the live model; see the module docstring for who receives what."""
+    if dst not in ("rank0", "stage"):
+        raise ValueError(f"dst = {dst!r}: must be 'rank0' or 'stage'")
+    yield from _bucketed(_export_items(model_chunks, arch, dst), bucket_bytes)
+
+
+def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch.distributed as dist
+
+    params = table_for(arch).params(arch)
+    local = local_parameters(model_chunks, arch)
+    if not dist.is_initialized():
+        for p in params:
+            yield from zip(p.hf, p.to_hf(local[p.megatron].detach()))
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    stage = ps.get_pipeline_model_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    mine = [p for p in params if p.megatron in local]
+
+    def gathered(p: Param) -> torch.Tensor:
+        return gather_tp(p, local[p.megatron], tp_group)
+
+    if dst == "stage" or pp == 1:
+        for p in mine:
+            full = gathered(p)
+            if tp_rank == 0:
+                yield from zip(p.hf, p.to_hf(full))
+        return
+
+    pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    receiver = pp_ranks[0]
+    if stage > 0:  # gather; TP rank 0 sends to the replica's first rank
+        codes = torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in mine], dtype=torch.int64)
+        if tp_rank == 0:
+            dist.send(torch.tensor([len(mine)], dtype=torch.int64), receiver)
+            dist.send(codes, receiver)
+        for p in mine:
+            full = gathered(p)
+            if tp_rank == 0:
+                dist.send(full.contiguous(), receiver)
+        return
+    # Stage 0: own parameters first, then every later stage's, in model order.
+    for p in mine:
+        full = gathered(p)
+        if tp_rank == 0:
+            yield from zip(p.hf, p.to_hf(full))
+    if tp_rank != 0:
+        return
+    by_name = {p.megatron: p for p in params}
+    for s in range(1, pp):
+        theirs = [p for p in params if p.megatron not in local and _stage_of(p, arch, pp) == s]
+        count = torch.zeros(1, dtype=torch.int64)
+        dist.recv(count, pp_ranks[s])
+        if int(count) != len(theirs):
+            raise RuntimeError(f"export: stage {s} sends {int(count)} parameters, expected {len(theirs)}")
+        codes = torch.zeros(len(theirs), dtype=torch.int64)
+        dist.recv(codes, pp_ranks[s])
+        for p, code in zip(theirs, codes.tolist()):
+            buf = torch.empty(by_name[p.megatron].shape(), dtype=_DTYPE_CODES[code])
+            dist.recv(buf, pp_ranks[s])
+            yield from zip(p.hf, p.to_hf(buf))
+
+
+def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:
+    if p.layer is not None:
+        return p.layer // (arch.num_layers // pp)
+    return 0 if p.megatron.startswith("embedding.") else pp - 1
