@@ -384,7 +384,14 @@ def validate_arch(a: ArchConfig, source: str) -> None:
     def bad(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{source}: {key} = {getattr(a, key)!r}: {msg}")
 
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size"):
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+    ):
         if getattr(a, key) < 1:
             raise bad(key, "must be >= 1")
     if a.kv_channels is None and a.hidden_size % a.num_attention_heads:
@@ -477,5 +484,9 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("eval.n", cfg.eval.n, "must be >= 1")
     c = cfg.cluster
     if c.placement == "disaggregated" and not 0 < c.rollout_nodes < c.nodes:
-        fail("cluster.rollout_nodes", c.rollout_nodes, f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})")
+        fail(
+            "cluster.rollout_nodes",
+            c.rollout_nodes,
+            f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})",
+        )
     resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute

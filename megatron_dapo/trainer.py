@@ -197,6 +197,7 @@ class Trainer:
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
                 if score >= t.supervised_stop_acc:
                     break
+        self.actor.reset_optimizer_state()
 
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:

@@ -353,6 +353,11 @@ class MegatronActor:
         dist.all_gather_object(gathered, local)
         return {"sft/loss": sum(gathered), "sft/grad_norm": grad_norm}
 
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam's moments (after the supervised warm start, so RL starts from fresh statistics)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.optimizer.state.clear()
+
     def _optimizer_update(self) -> float:
         """Clip and step unless the gradient is non-finite: then skip the update (weights untouched) and count it."""
         found_inf = self.optimizer.prepare_grads()

@@ -36,14 +36,18 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> None
     apply_cpu_shims()
     rank, world, local_rank = env_rank_world()
     if not dist.is_initialized():
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # A lone process (no torchrun/srun) rendezvouses on a free local port, without touching os.environ (which
+        # child processes would inherit).
+        init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     model_parallel = parallel.tp * parallel.pp * parallel.cp
     if world % model_parallel:

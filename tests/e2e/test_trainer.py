@@ -17,14 +17,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # Small and fast: no warm start, no dynamic sampling (an untrained model gets every group wrong), 2 updates per step.
 BASE = [
-    "train.supervised_warmup_steps=0", "algo.dynamic_sampling=false", "train.batch_prompts=8", "train.mini_batch_prompts=4",
-    "algo.gen_batch_prompts=8", "algo.group_size=4", "data.synthetic_train_size=400", "data.synthetic_eval_size=16",
-    "eval.interval=0", "train.save_interval=1", "train.keep_checkpoints=5",
+    "train.supervised_warmup_steps=0",
+    "algo.dynamic_sampling=false",
+    "train.batch_prompts=8",
+    "train.mini_batch_prompts=4",
+    "algo.gen_batch_prompts=8",
+    "algo.group_size=4",
+    "data.synthetic_train_size=400",
+    "data.synthetic_eval_size=16",
+    "eval.interval=0",
+    "train.save_interval=1",
+    "train.keep_checkpoints=5",
 ]
 KEYS = [
-    "step", "train/reward_mean", "train/acc_mean", "train/response_len_mean", "train/entropy", "train/clip_frac_high",
-    "train/clip_frac_low", "train/num_gen_batches", "train/kept_groups", "train/logp_gap_mean", "train/ppo_kl",
-    "time/step_s", "time/rollout_s", "time/train_s", "time/sync_s",
+    "step",
+    "train/reward_mean",
+    "train/acc_mean",
+    "train/response_len_mean",
+    "train/entropy",
+    "train/clip_frac_high",
+    "train/clip_frac_low",
+    "train/num_gen_batches",
+    "train/kept_groups",
+    "train/logp_gap_mean",
+    "train/ppo_kl",
+    "time/step_s",
+    "time/rollout_s",
+    "time/train_s",
+    "time/sync_s",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -32,8 +52,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 def dapo(*args, nproc=1, timeout=600, check=True):
     launcher = [sys.executable, "-m", "megatron_dapo.cli"]
     if nproc > 1:
-        launcher[1:1] = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
-                         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]
+        launcher[1:1] = [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-port=0",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0",
+        ]
     proc = subprocess.run([*launcher, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"dapo {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -45,8 +71,17 @@ def metrics(run: Path) -> list[dict]:
 
 
 def test_two_steps_tp2_writes_metrics_checkpoint_and_hf(tmp_path):
-    dapo("train", "--recipe", "demo_cpu", *BASE, "train.steps=2", "parallel.tp=2", f"train.run_dir={tmp_path}",
-         "train.name=e2e", nproc=2)
+    dapo(
+        "train",
+        "--recipe",
+        "demo_cpu",
+        *BASE,
+        "train.steps=2",
+        "parallel.tp=2",
+        f"train.run_dir={tmp_path}",
+        "train.name=e2e",
+        nproc=2,
+    )
     run = tmp_path / "e2e"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
@@ -71,8 +106,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
 
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "megatron_dapo.cli", *args, "train.name=killed"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     marker = run / "checkpoints" / "step_000002" / "dapo_meta.json"
     deadline = time.time() + 500
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -91,15 +127,35 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
 def test_eval_tiny_model_on_aime(tmp_path):
     tok = make_char_hf_tokenizer(tmp_path / "tok")
     arch = tmp_path / "tiny-ascii.yaml"
-    arch.write_text((REPO / "model_configs" / "tiny.yaml").read_text().replace("vocab_size: 32", "vocab_size: 128")
-                    .replace("max_position_embeddings: 512", "max_position_embeddings: 4096"))
-    common = [f"model.arch={arch}", f"model.tokenizer={tok}", "data.max_prompt_len=2048",
-              "rollout.sampling.max_new_tokens=4", "parallel.max_tokens_per_micro_batch=4096", "eval.greedy=false"]
+    arch.write_text(
+        (REPO / "model_configs" / "tiny.yaml")
+        .read_text()
+        .replace("vocab_size: 32", "vocab_size: 128")
+        .replace("max_position_embeddings: 512", "max_position_embeddings: 4096")
+    )
+    common = [
+        f"model.arch={arch}",
+        f"model.tokenizer={tok}",
+        "data.max_prompt_len=2048",
+        "rollout.sampling.max_new_tokens=4",
+        "parallel.max_tokens_per_micro_batch=4096",
+        "eval.greedy=false",
+    ]
     # a randomly initialised checkpoint of the tiny architecture
     ckpt = tmp_path / "ckpt"
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.e2e.save_init import main; main(sys.argv[1:])", str(ckpt), *common],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.e2e.save_init import main; main(sys.argv[1:])",
+            str(ckpt),
+            *common,
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     proc = dapo("eval", "--load", str(ckpt), "--data", str(SHARED / "data" / "aime-2024.parquet"), "--n", "32", *common)
@@ -117,8 +173,23 @@ def test_eval_tiny_model_on_aime(tmp_path):
     ],
 )
 def test_bad_input_fails_before_compute(tmp_path, args, needle):
-    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "train", "--recipe", "demo_cpu", *args,
-                           f"train.run_dir={tmp_path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_dapo.cli",
+            "train",
+            "--recipe",
+            "demo_cpu",
+            *args,
+            f"train.run_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert not (tmp_path / "demo_cpu" / "checkpoints").exists()
@@ -128,19 +199,42 @@ def test_row_without_ground_truth_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "synthetic/add2", "prompt": [{"role": "user", "content": f"0{i}+11="}],
-             "reward_model": {"style": "rule", "ground_truth": str(i + 11) if i != 3 else ""}} for i in range(6)]
+    rows = [
+        {
+            "data_source": "synthetic/add2",
+            "prompt": [{"role": "user", "content": f"0{i}+11="}],
+            "reward_model": {"style": "rule", "ground_truth": str(i + 11) if i != 3 else ""},
+        }
+        for i in range(6)
+    ]
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "train", "--recipe", "demo_cpu",
-                           "data.synthetic=none", f"data.train_files=[{path}]", f"train.run_dir={tmp_path}"],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_dapo.cli",
+            "train",
+            "--recipe",
+            "demo_cpu",
+            "data.synthetic=none",
+            f"data.train_files=[{path}]",
+            f"train.run_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "bad.parquet" in proc.stderr and "row 3" in proc.stderr and "ground_truth" in proc.stderr
 
 
 def test_help_is_complete():
-    out = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_dapo.cli", "--help"], capture_output=True, text=True, cwd=REPO
+    )
     for command in ("train", "eval", "report", "convert", "plan", "launch"):
         assert command in out.stdout
     assert torch.__version__

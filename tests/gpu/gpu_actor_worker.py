@@ -1,0 +1,65 @@
+"""GPU actor scenarios, run under torchrun by tests/gpu/test_actor_gpu.py (NCCL, one process per GPU)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def seqs_for(n, min_len, max_len, vocab, seed=0):
+    from megatron_dapo.actor.actor import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len, (1,), generator=g))
+        out.append(
+            Sequence(
+                torch.randint(0, vocab, (length,), generator=g),
+                prompt_len=max(2, length // 8),
+                advantage=float(torch.randn(1, generator=g)),
+            )
+        )
+    return out
+
+
+def main(scenario: str, out: str, *overrides: str) -> None:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.config import load_config
+
+    cfg = load_config(
+        "demo_cpu",
+        [
+            "rollout.sampling.max_new_tokens=24000",
+            "data.max_prompt_len=16",
+            "parallel.max_tokens_per_micro_batch=24016",
+            *overrides,
+        ],
+    )
+    actor = MegatronActor(cfg)
+    result = {"te": actor.te}
+    if scenario == "logprobs":  # CP / THD comparisons: same weights (seeded init), same sequences
+        seqs = seqs_for(6, 16, 300, actor.arch.vocab_size)
+        result["logprobs"] = [lp.tolist() for lp in actor.compute_logprobs(seqs)]
+    elif scenario == "train":  # TE spec (+ FP8 when asked): one DAPO step runs and changes the policy
+        seqs = seqs_for(8, 64, 512, actor.arch.vocab_size)
+        for s, lp in zip(seqs, actor.compute_logprobs(seqs)):
+            s.old_logprobs = lp
+        result["metrics"] = actor.train_step(seqs)
+    elif scenario == "long":  # one ~20k-token packed micro-batch: measured vs predicted memory
+        torch.cuda.reset_peak_memory_stats()
+        seqs = seqs_for(2, 9000, 11000, actor.arch.vocab_size)
+        for s, lp in zip(seqs, actor.compute_logprobs(seqs)):
+            s.old_logprobs = lp
+        actor.train_step(seqs)
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["tokens"] = sum(int(s.tokens.numel()) for s in seqs)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
