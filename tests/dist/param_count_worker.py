@@ -11,9 +11,7 @@ Used by tests/unit/test_plan.py (TP = 1) and tests/dist/test_plan_params_tp.py (
 import json
 import sys
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_dapo.actor.cpu import apply_cpu_shims  # the project's one place for CPU shims
 
@@ -41,36 +39,25 @@ def main(out: str, arch_json: str, tp: int) -> None:
 
 
 def count_stages(a, tp: int) -> dict:
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    """Each PP stage built on its own with the actor's provider settings (a model of that stage's layers)."""
+    import dataclasses
 
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_dapo.actor.provider import layer_spec, transformer_config
+    from megatron_dapo.config import ModelConfig, ParallelConfig
     from megatron_dapo.plan import padded_vocab_size
 
     counts = {}
     for pp in (1, 2, 4):
         if a.num_layers % pp:
             continue
-        cfg = TransformerConfig(
-            num_layers=a.num_layers // pp,
-            hidden_size=a.hidden_size,
-            ffn_hidden_size=a.ffn_hidden_size,
-            num_attention_heads=a.num_attention_heads,
-            num_query_groups=a.num_query_groups,
-            kv_channels=a.head_dim,
-            normalization="RMSNorm",
-            add_bias_linear=False,
-            add_qkv_bias=a.qkv_bias,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            tensor_model_parallel_size=tp,
-            use_cpu_initialization=True,
-            params_dtype=torch.float32,
-        )
+        stage_arch = dataclasses.replace(a, num_layers=a.num_layers // pp)
+        cfg = transformer_config(stage_arch, ModelConfig(), ParallelConfig(tp=tp))
         for rank in range(pp):
             model = GPTModel(
                 cfg,
-                get_gpt_layer_local_spec(normalization="RMSNorm"),
+                layer_spec(ModelConfig()),
                 vocab_size=padded_vocab_size(a.vocab_size, tp),
                 max_sequence_length=a.max_position_embeddings,
                 pre_process=rank == 0,
