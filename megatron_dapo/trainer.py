@@ -247,18 +247,6 @@ class Trainer:
 
     def export_hf(self, out: Path) -> None:
         """The trained policy as an HF checkpoint (safetensors + config.json + tokenizer) that transformers loads."""
-        from safetensors.torch import save_file
+        from megatron_dapo.bridge.export import save_hf_checkpoint
 
-        from megatron_dapo.bridge.export import export_hf_tensors
-        from megatron_dapo.bridge.hf_config import hf_from_arch
-
-        tensors = {}
-        for bucket in export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20):
-            tensors.update({name: t.contiguous().clone() for name, t in bucket})
-        if is_driver():
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            (out / "config.json").write_text(json.dumps(hf_from_arch(self.arch), indent=2))
-            self.tokenizer.save_pretrained(out)
-        if dist.is_initialized():
-            dist.barrier()
+        save_hf_checkpoint(self.actor.model, self.arch, out, self.tokenizer, self.cfg.rollout.bucket_mb << 20)

@@ -142,3 +142,32 @@ def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:
     if p.layer is not None:
         return p.layer // (arch.num_layers // pp)
     return 0 if p.megatron.startswith("embedding.") else pp - 1
+
+
+def save_hf_checkpoint(model_chunks, arch: ArchConfig, out, tokenizer=None, bucket_bytes: int = 512 << 20) -> None:
+    """Write the live model as an HF checkpoint (model.safetensors + config.json [+ tokenizer]) from global rank 0.
+
+    Collective like ``export_hf_tensors``: every rank calls it. For checkpoints too large for one process's memory use
+    ``tools/convert_megatron_to_hf.py`` on a saved checkpoint (it streams shard by shard).
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from megatron_dapo.bridge.hf_config import hf_from_arch
+
+    tensors = {}
+    for bucket in export_hf_tensors(model_chunks, arch, bucket_bytes):
+        tensors.update({name: t.contiguous().clone() for name, t in bucket})
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(hf_from_arch(arch, dtype), indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    if dist.is_initialized():
+        dist.barrier()

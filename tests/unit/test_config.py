@@ -1,0 +1,88 @@
+"""Typed config: YAML recipes, dotted overrides, validation errors that name the key and the file."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import RECIPES_DIR, ConfigError, load_arch, load_config
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_recipe_loads(name):
+    cfg = load_config(name)
+    assert cfg.train.batch_prompts % cfg.train.mini_batch_prompts == 0
+
+
+def test_dapo_32b_carries_the_paper_numbers():
+    c = load_config("dapo_32b")
+    assert (c.train.batch_prompts, c.algo.group_size, c.train.mini_batch_prompts, c.num_updates) == (512, 16, 32, 16)
+    assert (c.algo.eps_low, c.algo.eps_high, c.algo.clip_c) == (0.2, 0.28, 10.0)
+    assert (c.train.lr, c.train.weight_decay, c.train.grad_clip, c.train.warmup_steps) == (1e-6, 0.1, 1.0, 20)
+    assert (c.data.max_prompt_len, c.rollout.sampling.max_new_tokens, c.algo.overlong_cache) == (2048, 20480, 4096)
+    assert c.algo.gen_batch_prompts == 3 * c.train.batch_prompts and c.algo.loss_agg == "token-mean"
+    assert (c.eval.n, c.eval.temperature, c.eval.top_p) == (32, 1.0, 0.7)
+    assert c.rollout.sampling.temperature == 1.0 and c.rollout.sampling.top_p == 1.0
+
+
+def test_dotted_overrides_are_typed():
+    c = load_config(
+        "demo_cpu",
+        ["algo.eps_high=0.3", "train.lr=1e-3", "data.train_files=[a.parquet, b.parquet]", "algo.clip_c=null"],
+    )
+    assert c.algo.eps_high == 0.3 and c.train.lr == 1e-3 and c.algo.clip_c is None
+    assert c.data.train_files == ["a.parquet", "b.parquet"]
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("algo.eps_hihg=0.3", "algo.eps_hihg: unknown key"),
+        ("train.steps=ten", "train.steps = 'ten': expected an integer"),
+        ("algo.eps_low=1.0", "algo.eps_low = 1.0: must be in (0, 1)"),
+        ("algo.group_size=1", "algo.group_size = 1: dynamic sampling needs at least 2"),
+        ("rollout.sampling.max_new_tokens=100", "rollout.sampling.max_new_tokens = 100"),
+        ("train.mini_batch_prompts=5", "train.mini_batch_prompts = 5: must divide"),
+        ("rollout.engine=vllm", "rollout.engine = 'vllm': must be one of"),
+        ("model.arch=no-such-model", "unknown model config 'no-such-model'"),
+        ("algo", "expected key=value"),
+    ],
+)
+def test_errors_name_the_key(override, needle):
+    overrides = [override]
+    if "max_new_tokens" in override:
+        overrides.append("algo.overlong_penalty=true")  # max response must exceed the overlong cache (4096)
+    with pytest.raises(ConfigError) as e:
+        load_config("dapo_32b" if "max_new_tokens" in override else "demo_cpu", overrides)
+    assert needle in str(e.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = _recipe(tmp_path, "algo:\n  eps_low: 1.5\n")
+    with pytest.raises(ConfigError, match=rf"{path}: algo.eps_low = 1.5: must be in \(0, 1\)"):
+        load_config(path)
+    path = _recipe(tmp_path, "train:\n  batch_prompt: 4\n")
+    with pytest.raises(ConfigError, match=rf"{path}: train.batch_prompt: unknown key \(did you mean batch_prompts"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="unknown recipe 'nope'"):
+        load_config("nope")
+
+
+def test_architectures_load_and_validate(tmp_path):
+    a = load_arch("qwen2.5-32b")
+    assert (a.num_layers, a.hidden_size, a.num_query_groups, a.vocab_size, a.tie_embeddings) == (
+        64,
+        5120,
+        8,
+        152064,
+        False,
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_attention_heads: 4\nnum_query_groups: 3\n")
+    with pytest.raises(ConfigError, match=f"{bad}: num_query_groups = 3: must divide num_attention_heads"):
+        load_arch(bad)
