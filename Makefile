@@ -21,10 +21,15 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed   ## create .venv with the CPU environment (never transformer-engine)
 
+# The tests also drive nemo-run against the local Slurm: the optional extra [launch] (~90 packages, no torch change).
+$(VENV)/.installed-launch: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[launch]"
+	@touch $@
+
 demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
 	$(BIN)/dapo train --recipe demo_cpu
 
-test: setup                 ## the whole CPU suite (unit, multi-process, local Slurm); tests/gpu skip without CUDA
+test: $(VENV)/.installed-launch  ## the whole CPU suite (unit, multi-process, e2e, local Slurm); tests/gpu skip w/o CUDA
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: setup
