@@ -140,7 +140,7 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
 write_configs() {
     local host nproc mem_mb n port i
     host=$(hostname)
-    nproc=$(nproc)
+    nproc=$(nproc --all)  # not plain nproc: it reports OMP_NUM_THREADS when that is set
     mem_mb=$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)
     ((mem_mb > 10000)) && mem_mb=10000
     mkdir -p "$STATE"/{run,log,ctld,spool,fakegpu}

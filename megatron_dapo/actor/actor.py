@@ -150,48 +150,58 @@ class MegatronActor:
         return [self._micro_batch([seqs[i] for i in idx], idx) for idx in per_rank[self.dp_rank]]
 
     def _micro_batch(self, seqs: list[Sequence], indices: list[int]) -> dict:
-        packed = pack_sequences([s.tokens for s in seqs])
-        pred_idx, targets, seq_ids, old, adv, mask = [], [], [], [], [], []
-        offsets = packed.cu_seqlens_padded.tolist()
-        for j, (s, off) in enumerate(zip(seqs, offsets)):
-            r = s.response_len
-            pred_idx.append(torch.arange(off + s.prompt_len - 1, off + s.prompt_len - 1 + r))
-            targets.append(s.tokens[s.prompt_len :])
-            seq_ids.append(torch.full((r,), j, dtype=torch.long))
-            old.append(s.old_logprobs if s.old_logprobs is not None else torch.zeros(r))
-            adv.append(torch.full((r,), float(s.advantage)))
-            mask.append(s.loss_mask.float() if s.loss_mask is not None else torch.ones(r))
-
-        def cat(parts, dtype):
-            return (torch.cat(parts) if parts else torch.zeros(0)).to(dtype=dtype, device=self.device)
-
-        mb = {
-            "tokens": packed.tokens.to(self.device),
-            "position_ids": packed.position_ids.to(self.device),
-            "indices": list(indices),
-            "resp_lens": [s.response_len for s in seqs],
-            "pred_idx": cat(pred_idx, torch.long),
-            "targets": cat(targets, torch.long),
-            "seq_ids": cat(seq_ids, torch.long),
-            "old_logprobs": cat(old, torch.float32),
-            "advantages": cat(adv, torch.float32),
-            "loss_mask": cat(mask, torch.float32),
-            "num_tokens": packed.total_tokens,
+        """One packed row plus per-POSITION arrays: position t carries the label t+1 of its sequence and, where that
+        label is a response token, its old logprob, advantage, loss mask, sequence and response offset. Keeping every
+        array per position lets context parallelism slice them all with the tokens (megatron-core's THD split)."""
+        cp = self.cfg.parallel.cp
+        packed = pack_sequences([s.tokens for s in seqs], seq_pad_multiple=2 * cp if cp > 1 else 1)
+        total = packed.total_tokens
+        labels = torch.zeros(total, dtype=torch.long)
+        valid = torch.zeros(total, dtype=torch.bool)
+        seq_id = torch.full((total,), -1, dtype=torch.long)
+        resp_off = torch.zeros(total, dtype=torch.long)
+        old, adv, mask = torch.zeros(total), torch.zeros(total), torch.zeros(total)
+        for j, (s, off) in enumerate(zip(seqs, packed.cu_seqlens_padded.tolist())):
+            r, start = s.response_len, off + s.prompt_len - 1  # position `start` predicts the first response token
+            span = slice(start, start + r)
+            labels[span] = s.tokens[s.prompt_len :]
+            valid[span] = True
+            seq_id[span] = indices[j]
+            resp_off[span] = torch.arange(r)
+            old[span] = s.old_logprobs if s.old_logprobs is not None else 0.0
+            adv[span] = float(s.advantage)
+            mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
+        batch = {
+            "tokens": packed.tokens,
+            "position_ids": packed.position_ids,
+            "labels": labels[None],
+            "valid": valid[None],
+            "seq_id": seq_id[None],
+            "resp_off": resp_off[None],
+            "old_logprobs": old[None],
+            "advantages": adv[None],
+            "loss_mask": mask[None],
         }
-        if self.te:  # TE: packed THD format, attention bounded by cu_seqlens
-            from megatron.core.packed_seq_params import PackedSeqParams
+        mb = {"num_tokens": total}
+        if self.te:  # TE: packed THD format; with CP each rank keeps its load-balanced chunks of every sequence
+            from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
-            cu = packed.cu_seqlens_padded.to(self.device)
-            mb["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=max(packed.slot_lens),
-                max_seqlen_kv=max(packed.slot_lens),
+            batch, mb["packed_seq_params"] = get_thd_batch_on_this_cp_rank(
+                {k: v.to(self.device) for k, v in batch.items()},
+                packed.cu_seqlens.to(self.device),
+                packed.cu_seqlens_padded.to(self.device),
+                torch.tensor([packed.max_seqlen]),
             )
             mb["attention_mask"] = None
+            mb["num_tokens"] = batch["tokens"].shape[1]
         else:  # local spec: block-diagonal causal mask (RoPE is relative, so global positions give the same scores)
             mb["attention_mask"] = packed.attention_mask().to(self.device)
+        mb.update({k: v.to(self.device) for k, v in batch.items()})
+        keep = mb["valid"][0]
+        # the loss inputs: this rank's response-predicting positions only
+        for key in ("labels", "seq_id", "resp_off", "old_logprobs", "advantages", "loss_mask"):
+            mb["sel_" + key] = mb[key][0][keep]
+        mb["sel_index"] = keep.nonzero().squeeze(-1)
         return mb
 
     def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list[dict]:
@@ -216,11 +226,11 @@ class MegatronActor:
 
     def _token_logprobs(self, mb: dict, model, hidden: torch.Tensor, with_entropy: bool):
         # hidden: [1, T, h] on the last stage (the output layer is a passthrough)
-        h = hidden[0].index_select(0, mb["pred_idx"])
+        h = hidden[0].index_select(0, mb["sel_index"])
         return token_logprobs(
             h,
             self._head_weight(model),
-            mb["targets"],
+            mb["sel_labels"],
             self.arch.vocab_size,
             chunk_tokens=self.cfg.parallel.logprob_chunk_tokens,
             with_entropy=with_entropy,
@@ -239,38 +249,27 @@ class MegatronActor:
             lp, ent = self._token_logprobs(mb, model, hidden, with_entropy)
             return hidden.new_zeros(()), {"logprobs": lp, "entropy": ent, "mb": mb}
 
-        lp_out = [None] * len(seqs)
-        ent_out = [None] * len(seqs)
         mbs = self._micro_batches(seqs)
         results = self._run(mbs, loss_fn, forward_only=True)
-        if self.last_stage:
+        parts = []  # (sequence, response offset, logprob, entropy) of this rank's positions
+        if self.last_stage and self.tp_rank == 0:
             for res in results:
                 mb = res["mb"]
-                for idx, lp in zip(mb["indices"], res["logprobs"].cpu().split(mb["resp_lens"])):
-                    lp_out[idx] = lp
-                if with_entropy:
-                    for idx, e in zip(mb["indices"], res["entropy"].cpu().split(mb["resp_lens"])):
-                        ent_out[idx] = e
-        lp_out, ent_out = self._share_results(lp_out, ent_out)
+                ent = res["entropy"].cpu() if with_entropy else torch.zeros_like(res["logprobs"])
+                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), res["logprobs"].cpu(), ent))
+        lp_out = [torch.zeros(s.response_len) for s in seqs]
+        ent_out = [torch.zeros(s.response_len) for s in seqs]
+        gathered = [parts]
+        if dist.get_world_size() > 1:  # from the last stage of every DP (and CP) rank to everyone
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, parts)
+        for rank_parts in gathered:
+            for seq_id, off, lp, ent in rank_parts:
+                for i in seq_id.unique().tolist():
+                    sel = seq_id == i
+                    lp_out[i][off[sel]] = lp[sel]
+                    ent_out[i][off[sel]] = ent[sel]
         return (lp_out, ent_out) if with_entropy else lp_out
-
-    def _share_results(self, *lists):
-        """Gather per-sequence results from the last pipeline stage of every DP rank to all ranks."""
-        world = dist.get_world_size()
-        if world == 1:
-            return lists
-        gathered = [None] * world
-        payload = lists if (self.last_stage and self.tp_rank == 0) else None
-        dist.all_gather_object(gathered, payload)
-        merged = [list(lst) for lst in lists]
-        for part in gathered:
-            if part is None:
-                continue
-            for out, src in zip(merged, part):
-                for i, v in enumerate(src):
-                    if v is not None:
-                        out[i] = v
-        return merged
 
     def train_step(self, seqs: list[Sequence]) -> dict[str, float]:
         """One DAPO step: ``num_updates`` mini-batch updates over ``seqs`` (grouped by prompt, in order)."""
@@ -297,17 +296,17 @@ class MegatronActor:
                 lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
                 loss, metrics = policy_loss(
                     lp[None],
-                    mb["old_logprobs"][None],
-                    mb["advantages"][None],
-                    mb["loss_mask"][None],
+                    mb["sel_old_logprobs"][None],
+                    mb["sel_advantages"][None],
+                    mb["sel_loss_mask"][None],
                     eps_low=a.eps_low,
                     eps_high=a.eps_high,
                     clip_c=a.clip_c,
                     agg=a.loss_agg,
                     denominator=denominator,
-                    seq_ids=mb["seq_ids"][None],
+                    seq_ids=mb["sel_seq_id"][None],
                 )
-                metrics["entropy_sum"] = (ent * mb["loss_mask"]).sum()
+                metrics["entropy_sum"] = (ent * mb["sel_loss_mask"]).sum()
                 return loss * scale, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
 
             for m in self.model:
@@ -337,7 +336,7 @@ class MegatronActor:
 
         def loss_fn(mb, model, hidden):
             lp, _ = self._token_logprobs(mb, model, hidden, with_entropy=False)
-            loss = sft_loss(lp, mb["loss_mask"], denominator)
+            loss = sft_loss(lp, mb["sel_loss_mask"], denominator)
             return loss * scale, {"loss": loss.detach()}
 
         for m in self.model:

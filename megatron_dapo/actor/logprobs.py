@@ -89,6 +89,7 @@ def token_logprobs(
             outs.append(_chunk_logprobs(h, weight, t, real_vocab))
         if with_entropy:
             ents.append(_chunk_entropy(h.detach(), weight.detach(), real_vocab))
-    logprobs = torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+    # no positions (an empty micro-batch): an empty result still connected to the graph, so backward runs
+    logprobs = torch.cat(outs) if outs else hidden[:0, 0].float() * 0
     entropy = (torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)) if with_entropy else None
     return logprobs, entropy
