@@ -122,6 +122,7 @@ class Trainer:
                 for s, lp in zip(seqs, old):
                     s.old_logprobs = lp
                 metrics.update(logprob_gap_stats(groups, old))
+                metrics["train/entropy"] = float(torch.cat(entropy).mean())  # of the rollout policy, per token
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 with Timer("train", times):
                     metrics.update(self.actor.train_step(seqs))

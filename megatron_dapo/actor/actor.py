@@ -281,7 +281,7 @@ class MegatronActor:
         t0 = time.perf_counter()
         for m in self.model:
             m.train()
-        parts, losses, entropies, grad_norms, tokens = [], [], [], [], 0
+        parts, losses, grad_norms, tokens = [], [], [], 0
         for rng in split_mini_batches(len(seqs), num_updates):
             mini = [seqs[i] for i in rng]
             all_mask = torch.cat(
@@ -293,7 +293,7 @@ class MegatronActor:
             scale = len(mbs) * self.dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/DP averaging
 
             def loss_fn(mb, model, hidden, denominator=denominator, scale=scale):
-                lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
+                lp, _ = self._token_logprobs(mb, model, hidden, with_entropy=False)
                 loss, metrics = policy_loss(
                     lp[None],
                     mb["sel_old_logprobs"][None],
@@ -306,7 +306,6 @@ class MegatronActor:
                     denominator=denominator,
                     seq_ids=mb["sel_seq_id"][None],
                 )
-                metrics["entropy_sum"] = (ent * mb["sel_loss_mask"]).sum()
                 return loss * scale, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
 
             for m in self.model:
@@ -318,11 +317,10 @@ class MegatronActor:
             if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
                 parts += results
                 losses.append(sum(float(r["loss"]) for r in results))
-                entropies.append(sum(float(r["entropy_sum"]) for r in results))
             tokens += sum(mb["num_tokens"] for mb in mbs)
         self.scheduler.step(increment=1)
         self.step += 1
-        return self._step_metrics(parts, losses, entropies, grad_norms, tokens, time.perf_counter() - t0)
+        return self._step_metrics(parts, losses, grad_norms, tokens, time.perf_counter() - t0)
 
     def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule
@@ -370,7 +368,7 @@ class MegatronActor:
         self.optimizer.step_with_ready_grads()
         return grad_norm
 
-    def _step_metrics(self, parts, losses, entropies, grad_norms, tokens, seconds) -> dict[str, float]:
+    def _step_metrics(self, parts, losses, grad_norms, tokens, seconds) -> dict[str, float]:
         keys = (
             "num_tokens",
             "clip_low_tokens",
@@ -383,16 +381,14 @@ class MegatronActor:
         )
         local = [{k: r[k].cpu() for k in keys} for r in parts]
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (local, sum(losses), sum(entropies), tokens))
+        dist.all_gather_object(gathered, (local, sum(losses), tokens))
         all_parts = [p for g in gathered for p in g[0]]
         m = combine_loss_metrics(all_parts) if all_parts else {}
-        n_tok = float(m.get("num_tokens", 0)) or 1.0
         # loss: sum over ranks of the local sums of per-micro-batch losses, averaged over the updates
         loss = sum(g[1] for g in gathered if g) / self.cfg.num_updates
-        total_tokens = sum(g[3] for g in gathered) / max(1, self.cfg.parallel.tp * self.cfg.parallel.pp)
+        total_tokens = sum(g[2] for g in gathered) / max(1, self.cfg.parallel.tp * self.cfg.parallel.pp)
         return {
             "train/loss": loss,
-            "train/entropy": sum(g[2] for g in gathered) / n_tok,
             "train/clip_frac_low": float(m.get("clip_frac_low", 0.0)),
             "train/clip_frac_high": float(m.get("clip_frac_high", 0.0)),
             "train/clip_frac_dual": float(m.get("clip_frac_dual", 0.0)),
