@@ -68,16 +68,20 @@ def _convert(args) -> int:
     return 0
 
 
-def _plan(args) -> int:
-    from megatron_dapo.plan import main as plan_main
+def _plan(argv: list[str]) -> int:
+    from megatron_dapo.plan_cli import main as plan_main
 
-    return plan_main(args.rest)
+    return plan_main(argv)
 
 
-def _launch(args) -> int:
+def _launch(argv: list[str]) -> int:
     from megatron_dapo.launch.slurm import main as launch_main
 
-    return launch_main(args.rest)
+    return launch_main(argv)
+
+
+# Commands with their own argument parsers: everything after the command name is theirs.
+PASSTHROUGH = {"plan": _plan, "launch": _launch}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,19 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("plan", help="memory/parallelism planner", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_plan)
-
-    p = sub.add_parser("launch", help="Slurm launcher (--dry-run prints the plan)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_launch)
+    sub.add_parser("plan", help="memory/parallelism planner (dapo plan --help)", add_help=False)
+    sub.add_parser("launch", help="Slurm launcher; --dry-run prints the plan (dapo launch --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     # megatron-core warns at import that TE/apex are absent: expected on CPU, where the local spec is used.
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        return PASSTHROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -13,11 +13,11 @@ from megatron_dapo.plan import (
     activation_bytes_per_token,
     choose,
     count_params,
-    main,
     padded_vocab_size,
     plan,
     total_params,
 )
+from megatron_dapo.plan_cli import main
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).resolve().parents[1] / "dist" / "param_count_worker.py"
