@@ -7,10 +7,12 @@ Transports and parallelism live behind ``RolloutDriver`` (engine + weight sync) 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.progress import track
 
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor, Sequence
@@ -111,7 +113,8 @@ class Trainer:
             self.warm_start()
         self.rollout.sync_weights(self.actor, version=self.start_step)
         last = {}
-        for step in range(self.start_step + 1, cfg.train.steps + 1):
+        steps = range(self.start_step + 1, cfg.train.steps + 1)
+        for step in track(steps, description="DAPO steps", disable=not is_driver() or not steps):
             times: dict[str, float] = {}
             with Timer("step", times):
                 with Timer("rollout", times):
@@ -207,8 +210,6 @@ class Trainer:
         if is_driver():  # keep the newest train.keep_checkpoints
             done = sorted(p for p in self.ckpt_dir.glob("step_*") if ckpt.is_complete(p))
             for old in done[: -self.cfg.train.keep_checkpoints or None] if self.cfg.train.keep_checkpoints else []:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
