@@ -151,7 +151,7 @@ class Trainer:
         """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
         cfg, sampler = self.cfg, self.sampler
         engine = self.rollout.engine
-        batch_index = 0
+        batch_index, generated = 0, []
         while not sampler.full:
             items = self.prompts.take(cfg.algo.gen_batch_prompts)
             seed = cfg.train.seed * 1_000_003 + step * 101 + batch_index
@@ -167,10 +167,12 @@ class Trainer:
                     engine.abort()  # enough informative groups: drop what is still generating
                     break
             sampler.add(groups, torch.tensor(correct, dtype=torch.bool))
+            generated += [c for group in correct for c in group]
             batch_index += 1
         batch = sampler.take()
         stats = sampler.stats()
         stats["kept_groups"] = stats.pop("kept")
+        stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
         return batch, stats
 
     def evaluate(self, step: int) -> dict[str, float]:

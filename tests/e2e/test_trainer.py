@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import REPO, SHARED, make_char_hf_tokenizer
 
@@ -173,23 +172,7 @@ def test_eval_tiny_model_on_aime(tmp_path):
     ],
 )
 def test_bad_input_fails_before_compute(tmp_path, args, needle):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_dapo.cli",
-            "train",
-            "--recipe",
-            "demo_cpu",
-            *args,
-            f"train.run_dir={tmp_path}",
-        ],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = dapo("train", "--recipe", "demo_cpu", *args, f"train.run_dir={tmp_path}", timeout=120, check=False)
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert not (tmp_path / "demo_cpu" / "checkpoints").exists()
@@ -209,32 +192,21 @@ def test_row_without_ground_truth_is_named(tmp_path):
     ]
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_dapo.cli",
-            "train",
-            "--recipe",
-            "demo_cpu",
-            "data.synthetic=none",
-            f"data.train_files=[{path}]",
-            f"train.run_dir={tmp_path}",
-        ],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
+    proc = dapo(
+        "train",
+        "--recipe",
+        "demo_cpu",
+        "data.synthetic=none",
+        f"data.train_files=[{path}]",
+        f"train.run_dir={tmp_path}",
         timeout=120,
+        check=False,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "bad.parquet" in proc.stderr and "row 3" in proc.stderr and "ground_truth" in proc.stderr
 
 
 def test_help_is_complete():
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_dapo.cli", "--help"], capture_output=True, text=True, cwd=REPO
-    )
+    out = dapo("--help").stdout
     for command in ("train", "eval", "report", "convert", "plan", "launch"):
-        assert command in out.stdout
-    assert torch.__version__
+        assert command in out
