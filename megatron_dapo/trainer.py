@@ -199,7 +199,7 @@ class Trainer:
             if k % 10 == 0 or k == t.supervised_warmup_steps:  # accuracy jumps fast: check often
                 self.rollout.sync_weights(self.actor, version=0)
                 acc = broadcast(self.evaluate(0) if is_driver() else None)
-                score = min((v for key, v in acc.items() if key.endswith("avg@1")), default=0.0)
+                score = min((v for key, v in acc.items() if "/avg@" in key), default=0.0)
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
                 if score >= t.supervised_stop_acc:
                     break
