@@ -86,7 +86,7 @@ def test_two_steps_tp2_writes_metrics_checkpoint_and_hf(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for key in KEYS:
         assert key in rows[-1], key
-    assert any(k.startswith("eval/synthetic/add2/avg@1") for k in rows[-1])
+    assert any(k.startswith("eval/synthetic/add2/avg@") for k in rows[-1])
     assert rows[-1]["train/kept_groups"] == 8
     assert rows[-1]["train/logp_gap_mean"] < 1e-4  # fp32 HF engine vs megatron actor after a verified sync
     assert (run / "checkpoints" / "step_000002" / "dapo_meta.json").is_file()
