@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SHARED, make_char_hf_tokenizer
+from tests.helpers import REPO, SHARED, make_char_hf_tokenizer, torchrun_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,16 +49,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def dapo(*args, nproc=1, timeout=600, check=True):
-    launcher = [sys.executable, "-m", "megatron_dapo.cli"]
-    if nproc > 1:
-        launcher[1:1] = [
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            "--master-port=0",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-        ]
+    launcher = (
+        [*torchrun_cmd(nproc), "-m", "megatron_dapo.cli"] if nproc > 1 else [sys.executable, "-m", "megatron_dapo.cli"]
+    )
     proc = subprocess.run([*launcher, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"dapo {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
