@@ -360,6 +360,12 @@ def save_config(cfg: DapoConfig, path: str | Path) -> None:
 # Architectures
 
 
+def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
+    """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
 def resolve_arch_path(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():

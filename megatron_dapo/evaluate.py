@@ -35,18 +35,14 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.checkpoint import read_meta
     from megatron_dapo.config import ArchConfig
-    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.data.dataset import build_eval_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.reward.registry import RewardScorer
     from megatron_dapo.trainer import RolloutDriver, broadcast, is_driver
 
     arch = ArchConfig(**read_meta(path)["arch"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
-    d = cfg.data
-    datasets = {
-        Path(f).stem: PromptDataset.from_files([f], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()
-        for f in cfg.eval.files
-    }
+    datasets = build_eval_datasets(cfg, tokenizer)
     actor = MegatronActor(cfg, arch)
     actor.load(path, load_optimizer=False)
     rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name)

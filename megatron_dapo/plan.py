@@ -41,7 +41,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from megatron_dapo.config import ArchConfig, ConfigError, load_arch
+from megatron_dapo.config import ArchConfig, ConfigError, load_arch, padded_vocab_size
 
 GiB = 1024**3
 BF16, FP32 = 2, 4
@@ -56,12 +56,6 @@ class NoFeasiblePlan(ValueError):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Parameter counting
-
-
-def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
-    """Megatron's padding: round the vocabulary up to a multiple of ``divisible_by`` · TP."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def _check_split(arch: ArchConfig, tp: int, pp: int) -> None:

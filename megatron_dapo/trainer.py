@@ -64,11 +64,7 @@ class RolloutDriver:
 
 
 def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
-    info = TokenizerInfo(
-        eos_token_ids=(tokenizer.eos_token_id,),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
+    info = TokenizerInfo.from_hf(tokenizer)
     if cfg.rollout.engine == "hf":
         from megatron_dapo.rollout.hf_engine import HFEngine
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.logprobs import token_logprobs
-from megatron_dapo.actor.provider import DTYPES, build_model, padded_vocab_size, use_transformer_engine
+from megatron_dapo.actor.provider import DTYPES, build_model, use_transformer_engine
 from megatron_dapo.algo.loss import combine_loss_metrics, loss_denominator, policy_loss, sft_loss
-from megatron_dapo.config import ArchConfig, DapoConfig, load_arch
+from megatron_dapo.config import ArchConfig, DapoConfig, load_arch, padded_vocab_size
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
 
 

@@ -12,7 +12,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig
+from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,12 +36,6 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
             "model.transformer_impl = 'transformer_engine': Transformer Engine needs CUDA and a TE install"
         )
     return impl == "transformer_engine" or (impl == "auto" and have_transformer_engine())
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
 
 
 def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchConfig) -> None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.actor.provider import padded_vocab_size
 from megatron_dapo.bridge.mappings import Param, canonical_name, spec_name, split_layer, table_for
-from megatron_dapo.config import ArchConfig, ConfigError
+from megatron_dapo.config import ArchConfig, ConfigError, padded_vocab_size
 
 __all__ = [
     "padded_vocab_size",

@@ -342,10 +342,17 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
         evals[DATA_SOURCE] = synthetic_eval
     else:
         train = PromptDataset.from_files(d.train_files, tokenizer, d.max_prompt_len, d.apply_chat_template)
-    for path in cfg.eval.files:
-        ds = PromptDataset.from_files([path], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()
-        evals[Path(path).stem] = ds
+    evals.update(build_eval_datasets(cfg, tokenizer))
     return train, evals
+
+
+def build_eval_datasets(cfg: Any, tokenizer: Any) -> dict[str, PromptDataset]:
+    """One eval set per ``eval.files`` entry, named after the file stem, one item per problem."""
+    d = cfg.data
+    return {
+        Path(path).stem: PromptDataset.from_files([path], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()
+        for path in cfg.eval.files
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ def main(out: str, hf_dir: str) -> None:
     from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
     from megatron_dapo.rollout.hf_engine import HFEngine
     from megatron_dapo.rollout.weight_sync import CopySync
+    from megatron_dapo.trainer import broadcast
 
     cfg = load_config("demo_cpu", ["parallel.tp=2", "train.batch_prompts=4", "train.mini_batch_prompts=2"])
     actor = MegatronActor(cfg)
@@ -34,7 +35,7 @@ def main(out: str, hf_dir: str) -> None:
 
     sync_now(0)
     # 1) rollout logprobs of sampled tokens vs the actor's recomputed logprobs of the same sequences
-    samples = dist_broadcast(engine.generate(prompts, sampled, n=2) if engine else None)
+    samples = broadcast(engine.generate(prompts, sampled, n=2) if engine else None)
     seqs = [Sequence(torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids),
                      advantage=float(i % 2) - 0.5) for i, s in enumerate(samples)]
     actor_lp = actor.compute_logprobs(seqs)
@@ -54,12 +55,6 @@ def main(out: str, hf_dir: str) -> None:
             result[f"{name}_lp_gap"] = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs))
         torch.save(result, out)
     dist.barrier()
-
-
-def dist_broadcast(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 if __name__ == "__main__":
