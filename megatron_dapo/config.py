@@ -99,6 +99,7 @@ class RolloutConfig:
     bucket_mb: int = 512
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
+    hf_max_batch: int = 64  # HF engine (CPU): sequences per generate call, whole groups; also the abort granularity
     # SGLang (GPU)
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
     sglang_tp: int = 1
@@ -170,7 +171,7 @@ class TrainConfig:
     supervised_warmup_steps: int = 0  # optional SFT warm start on the synthetic task (demo); max steps
     supervised_lr: float = 1e-3
     supervised_batch: int = 128
-    supervised_stop_acc: float = 1.0  # stop the warm start once greedy held-out accuracy reaches this
+    supervised_stop_acc: float = 1.0  # stop the warm start once held-out accuracy (the eval's avg@k) reaches this
 
 
 @dataclass
@@ -476,6 +477,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
     if r.bucket_mb < 1:
         fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
+    if r.hf_max_batch < 1:
+        fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
     if not 0 < r.mem_fraction < 1:
         fail("rollout.mem_fraction", r.mem_fraction, "must be in (0, 1)")
     if r.engine == "hf" and r.weight_sync != "copy":

@@ -68,7 +68,8 @@ def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
     if cfg.rollout.engine == "hf":
         from megatron_dapo.rollout.hf_engine import HFEngine
 
-        return HFEngine(arch, info, dtype="float32" if cfg.model.dtype == "fp32" else "bfloat16", seed=cfg.train.seed)
+        dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+        return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
     engine = SGLangEngine.from_config(cfg, cfg.model.hf_init, info, log_dir=run_dir / "sglang")
@@ -185,6 +186,7 @@ class Trainer:
         from megatron_dapo.data.synthetic import supervised_target_ids
 
         t = self.cfg.train
+        score = 0.0
         for k in range(1, t.supervised_warmup_steps + 1):
             items = self.prompts.take(t.supervised_batch)
             seqs = []
@@ -192,7 +194,8 @@ class Trainer:
                 target = supervised_target_ids(self.tokenizer, it.ground_truth)
                 seqs.append(Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids)))
             m = self.actor.supervised_step(seqs, lr=t.supervised_lr)
-            if k % 10 == 0 or k == t.supervised_warmup_steps:  # accuracy jumps fast: check often
+            # accuracy jumps fast once it starts: check every 10 steps from half the target on, every 20 before
+            if k % (10 if score >= t.supervised_stop_acc / 2 else 20) == 0 or k == t.supervised_warmup_steps:
                 self.rollout.sync_weights(self.actor, version=0)
                 acc = broadcast(self.evaluate(0) if is_driver() else None)
                 score = min((v for key, v in acc.items() if "/avg@" in key), default=0.0)

@@ -49,6 +49,7 @@ def test_dotted_overrides_are_typed():
         ("rollout.sampling.max_new_tokens=100", "rollout.sampling.max_new_tokens = 100"),
         ("train.mini_batch_prompts=5", "train.mini_batch_prompts = 5: must divide"),
         ("rollout.engine=vllm", "rollout.engine = 'vllm': must be one of"),
+        ("rollout.hf_max_batch=0", "rollout.hf_max_batch = 0: must be >= 1"),
         ("model.arch=no-such-model", "unknown model config 'no-such-model'"),
         ("algo", "expected key=value"),
     ],
