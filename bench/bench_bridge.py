@@ -9,7 +9,7 @@ One run, each phase in its own process (so peak RSS is per phase):
   to_megatron tools' hf_to_megatron (one dist_checkpointing part per HF shard, merged)
   to_hf       tools' megatron_to_hf (bucketed loads, streamed safetensors shards of the same size as the input's)
   verify      the round trip is bit-exact (not timed)
-Printed: time ratio (goal ≤ 1.3×) and peak RSS per phase vs largest shard + one bucket + 20% (goal), next to the
+Printed: time ratio (goal ≤ 1.3×; the median of ``--repeat`` interleaved rounds, disk speed drifts) and peak RSS per phase vs largest shard + one bucket + 20% (goal), next to the
 RSS of a process that only imports torch + megatron-core (what every phase pays anyway). Forked dist_checkpointing
 writer processes are reported separately (they share the parent's pages copy-on-write).
 """
@@ -170,6 +170,7 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=512)
     ap.add_argument("--dir", default="/tmp/bench_bridge")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="raw / conversion rounds; the median ratio is reported")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
     d = Path(args.dir)
@@ -199,7 +200,21 @@ def main() -> None:
     made = run_phase("make", d, args)
     print(f"synthetic Qwen2: {made['params'] / 1e9:.2f}B params, {made['bytes'] / 2**30:.2f} GiB bf16, "
           f"{made['shards']} shards (largest {made['largest_shard'] / 2**20:.0f} MiB)")  # fmt: skip
-    r = {name: run_phase(name, d, args) for name in ("baseline", "raw", "to_megatron", "to_hf", "verify")}
+    r = {"baseline": run_phase("baseline", d, args)}
+    ratios = []
+    for rep in range(args.repeat):  # interleaved, so that disk-speed drift hits both sides alike
+        runs = {name: run_phase(name, d, args) for name in ("raw", "to_megatron", "to_hf")}
+        ratios.append((runs["to_megatron"]["seconds"] + runs["to_hf"]["seconds"]) / runs["raw"]["seconds"])
+        secs = ", ".join(f"{name} {out['seconds']:.1f} s" for name, out in runs.items())
+        print(f"  repeat {rep + 1}/{args.repeat}: {secs}: ratio {ratios[-1]:.2f}", flush=True)
+        for name, out in runs.items():  # keep the median repeat's times (below) and the worst RSS
+            if name not in r or out["rss_mb"] > r[name]["rss_mb"]:
+                r.setdefault(name, {}).update(rss_mb=out["rss_mb"], children_rss_mb=out["children_rss_mb"])
+            r[name].setdefault("all", []).append(out)
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    for name in ("raw", "to_megatron", "to_hf"):
+        r[name].update({k: r[name]["all"][median][k] for k in ("seconds", "imports")})
+    r["verify"] = run_phase("verify", d, args)
     conv = r["to_megatron"]["seconds"] + r["to_hf"]["seconds"]
     raw = r["raw"]["seconds"]
     goal_rss = (made["largest_shard"] + BUCKET) / 2**20 * 1.2
@@ -209,8 +224,10 @@ def main() -> None:
         f"HF -> Megatron         {r['to_megatron']['seconds']:7.1f} s   (+ {r['to_megatron']['imports']:.1f} s importing megatron-core, not counted)"
     )
     print(f"Megatron -> HF         {r['to_hf']['seconds']:7.1f} s")
+    spread = f"; {args.repeat} repeats: {min(ratios):.2f}-{max(ratios):.2f}" if args.repeat > 1 else ""
     print(
-        f"time ratio             {conv / raw:7.2f} x  (goal <= 1.3)   round trip bit-exact: {r['verify']['tensors']} tensors"
+        f"time ratio             {conv / raw:7.2f} x  (goal <= 1.3; median repeat{spread})   "
+        f"round trip bit-exact: {r['verify']['tensors']} tensors"
     )
     print(
         f"peak RSS (MiB; goal <= largest shard + bucket + 20% = {goal_rss:.0f}; imports alone = {r['baseline']['rss_mb']:.0f})"

@@ -31,6 +31,21 @@ _TE_TO_CANONICAL = {
 }
 
 
+def use_forked_results_queue() -> None:
+    """Workaround, kept here only: megatron-core's ``FileSystemWriterAsync`` hands write results back through a
+    multiprocessing Manager queue started with *spawn* (``dist_checkpointing.strategies.filesystem_async.
+    _get_write_results_queue``). The spawned server imports torch when it first unpickles a ``WriteResult``: about 2 s
+    on the first save of every process (measured: the first queue ``put`` takes 2.2 s, later ones 5 ms). A *forked*
+    Manager starts with torch already loaded; the same upstream save forks its writer processes anyway
+    (``write_preloaded_data_multiproc``). A no-op once the queue exists or if a newer megatron-core drops the global."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def canonical_key(key: str) -> str:
     for te, local in _TE_TO_CANONICAL.items():
         if key.endswith(te):
@@ -88,6 +103,7 @@ def save(actor, path, extra: dict) -> None:
         "skipped_updates": actor.skipped_updates,
         "extra": extra,
     }
+    use_forked_results_queue()
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:

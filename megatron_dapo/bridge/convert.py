@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.actor.checkpoint import FORMAT, META_FILE
+from megatron_dapo.actor.checkpoint import FORMAT, META_FILE, use_forked_results_queue
 from megatron_dapo.bridge.hf_config import arch_from_hf, compare_arch, hf_from_arch, read_hf_config
 from megatron_dapo.bridge.mappings import Param, checkpoint_key, table_for
 from megatron_dapo.bridge.reshard import check_divisible
@@ -291,6 +291,7 @@ def hf_to_megatron(
     by_hf = table.by_hf(arch)
     L = arch.num_layers  # noqa: N806
     with staged_output(out) as tmp, single_process_group(), _progress(progress) as bar:
+        use_forked_results_queue()
         task = bar.add_task(f"HF → Megatron ({len(files)} shards)", total=len(files))
         parts = []
         for k, f in enumerate(files):
