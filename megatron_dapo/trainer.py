@@ -202,6 +202,7 @@ class Trainer:
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
                 if score >= t.supervised_stop_acc:
                     break
+        self.log(0, {"sft/steps": k, **acc})  # step 0 of metrics.jsonl: where RL starts from
         self.actor.reset_optimizer_state()
 
     # ------------------------------------------------------------------------------------------------------------------

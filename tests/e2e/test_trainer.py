@@ -68,6 +68,7 @@ def test_two_steps_tp2_writes_metrics_checkpoint_and_hf(tmp_path):
         "--recipe",
         "demo_cpu",
         *BASE,
+        "train.supervised_warmup_steps=1",  # one warm-start step: its held-out eval is logged as step 0
         "train.steps=2",
         "parallel.tp=2",
         f"train.run_dir={tmp_path}",
@@ -76,7 +77,8 @@ def test_two_steps_tp2_writes_metrics_checkpoint_and_hf(tmp_path):
     )
     run = tmp_path / "e2e"
     rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["sft/steps"] == 1 and any(k.startswith("eval/synthetic/add2/avg@") for k in rows[0])
     for key in KEYS:
         assert key in rows[-1], key
     assert any(k.startswith("eval/synthetic/add2/avg@") for k in rows[-1])
