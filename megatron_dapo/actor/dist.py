@@ -13,9 +13,10 @@ from megatron_dapo.actor.cpu import apply_cpu_shims
 from megatron_dapo.config import ParallelConfig
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for rendezvous, servers and NCCL groups)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -38,7 +39,7 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> None
     if not dist.is_initialized():
         # A lone process (no torchrun/srun) rendezvouses on a free local port, without touching os.environ (which
         # child processes would inherit).
-        init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+        init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)

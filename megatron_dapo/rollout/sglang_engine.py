@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dapo.actor.dist import free_port
 from megatron_dapo.rollout import sglang_types as T
 from megatron_dapo.rollout.engine import Bucket, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
 
@@ -77,12 +77,6 @@ def http_call(url: str, path: str, body: dict | None = None, timeout: float = 60
         return json.loads(raw)
     except ValueError:
         return raw.decode(errors="replace")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

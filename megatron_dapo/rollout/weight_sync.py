@@ -386,7 +386,7 @@ class NcclSync(_SGLangSync):
         import concurrent.futures as cf
         import socket
 
-        from megatron_dapo.rollout.sglang_engine import free_port
+        from megatron_dapo.actor.dist import free_port
 
         urls = [s.url for s in servers]
         name = f"{self.group_name}_{self._count}"
