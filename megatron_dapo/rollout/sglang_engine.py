@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.actor.dist import free_port
 from megatron_dapo.rollout import sglang_types as T
 from megatron_dapo.rollout.engine import Bucket, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
 
@@ -111,7 +110,11 @@ class SGLangServer:
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
         self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **(env or {})}
         self.attached = url is not None
-        self.port = port if port is not None else (None if self.attached else free_port(host))
+        if port is None and not self.attached:
+            from megatron_dapo.actor.dist import free_port  # lazily: this module's HTTP side needs no torch
+
+            port = free_port(host)
+        self.port = port
         self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
         self.log_path = (
             Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
