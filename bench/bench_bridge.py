@@ -9,9 +9,10 @@ One run, each phase in its own process (so peak RSS is per phase):
   to_megatron tools' hf_to_megatron (one dist_checkpointing part per HF shard, merged)
   to_hf       tools' megatron_to_hf (bucketed loads, streamed safetensors shards of the same size as the input's)
   verify      the round trip is bit-exact (not timed)
-Printed: time ratio (goal ≤ 1.3×; the median of ``--repeat`` interleaved rounds, disk speed drifts) and peak RSS per phase vs largest shard + one bucket + 20% (goal), next to the
-RSS of a process that only imports torch + megatron-core (what every phase pays anyway). Forked dist_checkpointing
-writer processes are reported separately (they share the parent's pages copy-on-write).
+Printed: time ratio (goal ≤ 1.3×; the median of ``--repeat`` interleaved rounds, as disk speed drifts) and peak RSS
+per phase vs largest shard + one bucket + 20% (goal), next to the RSS of a process that only imports torch +
+megatron-core (what every phase pays anyway). Forked dist_checkpointing writer processes are reported separately
+(they share the parent's pages copy-on-write).
 """
 
 from __future__ import annotations
@@ -201,19 +202,17 @@ def main() -> None:
     print(f"synthetic Qwen2: {made['params'] / 1e9:.2f}B params, {made['bytes'] / 2**30:.2f} GiB bf16, "
           f"{made['shards']} shards (largest {made['largest_shard'] / 2**20:.0f} MiB)")  # fmt: skip
     r = {"baseline": run_phase("baseline", d, args)}
-    ratios = []
+    rounds, ratios = [], []
     for rep in range(args.repeat):  # interleaved, so that disk-speed drift hits both sides alike
         runs = {name: run_phase(name, d, args) for name in ("raw", "to_megatron", "to_hf")}
+        rounds.append(runs)
         ratios.append((runs["to_megatron"]["seconds"] + runs["to_hf"]["seconds"]) / runs["raw"]["seconds"])
         secs = ", ".join(f"{name} {out['seconds']:.1f} s" for name, out in runs.items())
         print(f"  repeat {rep + 1}/{args.repeat}: {secs}: ratio {ratios[-1]:.2f}", flush=True)
-        for name, out in runs.items():  # keep the median repeat's times (below) and the worst RSS
-            if name not in r or out["rss_mb"] > r[name]["rss_mb"]:
-                r.setdefault(name, {}).update(rss_mb=out["rss_mb"], children_rss_mb=out["children_rss_mb"])
-            r[name].setdefault("all", []).append(out)
-    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
-    for name in ("raw", "to_megatron", "to_hf"):
-        r[name].update({k: r[name]["all"][median][k] for k in ("seconds", "imports")})
+    median = rounds[sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]]
+    for name in ("raw", "to_megatron", "to_hf"):  # the median round's times, the worst RSS of all rounds
+        worst = {k: max(x[name][k] for x in rounds) for k in ("rss_mb", "children_rss_mb")}
+        r[name] = {**median[name], **worst}
     r["verify"] = run_phase("verify", d, args)
     conv = r["to_megatron"]["seconds"] + r["to_hf"]["seconds"]
     raw = r["raw"]["seconds"]
