@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+AIME = REPO / "data" / "aime-2024.parquet"  # shipped with the repository (data/README.md)
 
 
 def torchrun_cmd(nproc: int) -> list[str]:

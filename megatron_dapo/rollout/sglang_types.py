@@ -1,4 +1,4 @@
-"""Typed requests/responses for the SGLang 0.5.x HTTP endpoints used in RL (see /work/shared/SGLANG_API.md).
+"""Typed requests/responses for the SGLang 0.5.x HTTP endpoints used in RL (sglang 0.5.23: python/sglang/srt/managers/io_struct.py).
 
 SGLang accepts unknown top-level fields silently, so a misspelt field is never an error there: every request this
 project sends is built from one of these dataclasses. ``to_json()`` drops optional fields that are None (the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SHARED, make_char_hf_tokenizer, torchrun_cmd
+from tests.helpers import AIME, REPO, make_char_hf_tokenizer, torchrun_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -152,7 +152,7 @@ def test_eval_tiny_model_on_aime(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    proc = dapo("eval", "--load", str(ckpt), "--data", str(SHARED / "data" / "aime-2024.parquet"), "--n", "32", *common)
+    proc = dapo("eval", "--load", str(ckpt), "--data", str(AIME), "--n", "32", *common)
     lines = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("eval/"))
     assert float(lines["eval/aime-2024/problems"]) == 30
     assert float(lines["eval/aime-2024/samples"]) == 30 * 32

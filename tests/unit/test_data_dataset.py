@@ -20,7 +20,7 @@ from megatron_dapo.data.tokenizer import CharTokenizer, load_tokenizer
 from tests.helpers import make_char_hf_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-AIME = REPO.parent / "shared" / "data" / "aime-2024.parquet"
+AIME = REPO / "data" / "aime-2024.parquet"
 
 
 @pytest.fixture(scope="module")

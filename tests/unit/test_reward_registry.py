@@ -11,7 +11,7 @@ from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.reward.registry import DAPO_RULE, MATH_VERIFY, RewardScorer
 
 REPO = Path(__file__).resolve().parents[2]
-AIME = REPO.parent / "shared" / "data" / "aime-2024.parquet"
+AIME = REPO / "data" / "aime-2024.parquet"
 
 
 def _row(source: str, truth: str, style: str = "rule") -> dict:
