@@ -88,13 +88,26 @@ def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], 
 
 
 def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -> dict[str, float]:
-    """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch)."""
+    """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch).
+
+    The two must align token for token: a sequence whose rollout and actor logprobs differ in length (an off-by-one
+    in the response offsets, a dropped EOS) is an error naming it, never silently left out of the statistic."""
+    rollout = [(gi, j, lp) for gi, g in enumerate(groups) for j, lp in enumerate(g.rollout_logprobs)]
+    if len(rollout) != len(actor_logprobs):
+        raise ValueError(f"logprob gap: {len(rollout)} rollout sequences but {len(actor_logprobs)} actor sequences")
     gaps = []
-    rollout = [lp for g in groups for lp in g.rollout_logprobs]
-    for r, a in zip(rollout, actor_logprobs):
-        if len(r) == a.numel() and len(r):
-            gaps.append((torch.tensor(r, dtype=torch.float32) - a.float()).abs())
-    if not gaps:
-        return {"train/logp_gap_mean": 0.0, "train/logp_gap_max": 0.0}
-    flat = torch.cat(gaps)
-    return {"train/logp_gap_mean": float(flat.mean()), "train/logp_gap_max": float(flat.max())}
+    for (gi, j, r), a in zip(rollout, actor_logprobs):
+        if len(r) != a.numel():
+            raise ValueError(
+                f"logprob gap: group {gi} sample {j} has {len(r)} rollout logprobs but the actor computed "
+                f"{a.numel()} for it: rollout and training tokens are misaligned"
+            )
+        gaps.append((torch.tensor(r, dtype=torch.float32) - a.float()).abs())
+    flat = torch.cat(gaps) if gaps else torch.zeros(0)
+    if not flat.numel():
+        return {"train/logp_gap_mean": 0.0, "train/logp_gap_max": 0.0, "train/logp_gap_tokens": 0.0}
+    return {
+        "train/logp_gap_mean": float(flat.mean()),
+        "train/logp_gap_max": float(flat.max()),
+        "train/logp_gap_tokens": float(flat.numel()),
+    }

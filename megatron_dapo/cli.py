@@ -1,7 +1,7 @@
 """``dapo`` — train | eval | report | convert | plan | launch.
 
     dapo train --recipe demo_cpu [key=value ...] [--resume auto|DIR]
-    dapo eval --load DIR --data PARQUET [--n 32] [key=value ...]
+    dapo eval --load DIR --data PARQUET [--n 32] [--samples-out FILE] [key=value ...]
     dapo report RUN_DIR
     dapo convert hf-to-megatron|megatron-to-hf ...      (tools/convert_*.py)
     dapo plan --model qwen2.5-32b --max-prompt 2048 --max-response 20480 --nodes 16 --gpus-per-node 8 --gpu-mem 80
@@ -40,7 +40,7 @@ def _eval(args) -> int:
 
     overrides = [f"eval.files=[{args.data}]", f"eval.n={args.n}", *args.overrides]
     cfg = load_config(args.recipe, overrides)
-    results = evaluate_checkpoint(cfg, args.load)
+    results = evaluate_checkpoint(cfg, args.load, samples_out=args.samples_out)
     for key, value in sorted(results.items()):
         print(f"{key:40s} {value:.4f}")
     return 0
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="parquet in the DAPO schema (e.g. aime-2024.parquet)")
     p.add_argument("--n", type=int, default=32, help="samples per problem")
     p.add_argument("--recipe", default="demo_cpu", help="recipe for the model/rollout settings")
+    p.add_argument("--samples-out", help="also write every scored sample (prompt, response, score) to this JSONL")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_eval)
 

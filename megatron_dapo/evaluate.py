@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megatron_dapo.config import DapoConfig, EvalConfig
@@ -9,8 +10,17 @@ from megatron_dapo.metrics import eval_metrics
 from megatron_dapo.rollout.engine import SamplingParams
 
 
-def run_eval(engine, scorer, datasets: dict, e: EvalConfig, default_max_new_tokens: int, seed: int) -> dict[str, float]:
-    """``datasets``: name -> PromptDataset (one item per problem). Keys: ``eval/<name>/{avg,pass,maj}@k``."""
+def run_eval(
+    engine,
+    scorer,
+    datasets: dict,
+    e: EvalConfig,
+    default_max_new_tokens: int,
+    seed: int,
+    samples_out: list | None = None,
+) -> dict[str, float]:
+    """``datasets``: name -> PromptDataset (one item per problem). Keys: ``eval/<name>/{avg,pass,maj}@k``.
+    ``samples_out``: a list that receives one record per sample (problem, ground truth, response, score)."""
     records, counts = [], {}
     for name, data in datasets.items():
         sampling = SamplingParams(
@@ -26,12 +36,27 @@ def run_eval(engine, scorer, datasets: dict, e: EvalConfig, default_max_new_toke
             records.append(
                 {"data_source": name, "problem_id": s.prompt_index, "pred": r.get("pred"), "acc": bool(r["acc"])}
             )
+            if samples_out is not None:
+                item = items[s.prompt_index]
+                samples_out.append(
+                    {
+                        **records[-1],
+                        "sample": s.sample_index,
+                        "problem": item.source,
+                        "prompt": item.prompt_text,
+                        "ground_truth": item.ground_truth,
+                        "response": s.text,
+                        "score": float(r["score"]),
+                        "finish_reason": s.finish_reason,
+                    }  # fmt: skip
+                )
         counts.update({f"eval/{name}/problems": float(len(items)), f"eval/{name}/samples": float(len(samples))})
     return {**eval_metrics(records), **counts}
 
 
-def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
-    """Load a megatron-dapo checkpoint (any TP/PP it was saved at) and evaluate it on ``cfg.eval.files``."""
+def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Path | None = None) -> dict[str, float]:
+    """Load a megatron-dapo checkpoint (any TP/PP it was saved at) and evaluate it on ``cfg.eval.files``;
+    ``samples_out``: also write every scored sample there (JSONL)."""
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.checkpoint import read_meta
     from megatron_dapo.config import ArchConfig
@@ -47,9 +72,13 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
     actor.load(path, load_optimizer=False)
     rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name)
     rollout.sync_weights(actor, version=0)
-    results = None
+    results, samples = None, []
     if is_driver():
         results = run_eval(
-            rollout.engine, RewardScorer(), datasets, cfg.eval, cfg.rollout.sampling.max_new_tokens, cfg.train.seed
-        )
+            rollout.engine, RewardScorer(), datasets, cfg.eval, cfg.rollout.sampling.max_new_tokens, cfg.train.seed,
+            samples_out=samples,
+        )  # fmt: skip
+        if samples_out:
+            Path(samples_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(samples_out).write_text("".join(json.dumps(r) + "\n" for r in samples))
     return broadcast(results)

@@ -13,7 +13,8 @@ receiver's dtype); after loading, the receiver's copy is read back and compared,
 ``WeightSyncError`` naming the tensor. The HF engine is read back in full. SGLang only exposes
 /get_weights_by_name, which returns the first rows of a tensor (dim 0; the first elements of a 1-D tensor), so
 for SGLang the checksums cover that prefix of each tensor, on every worker; "sample" checks ``sample_size`` tensors
-chosen per version instead of all. A NaN/Inf in a sent tensor is an error too.
+per version instead of all: a window that moves over a fixed shuffle of the names, so consecutive versions check
+different tensors and every tensor is checked once every ceil(N / sample_size) versions. A NaN/Inf in a sent tensor is an error too.
 """
 
 from __future__ import annotations
@@ -102,6 +103,14 @@ def tensor_checksum(t: torch.Tensor, dtype: torch.dtype | None = None) -> Checks
     return Checksum(tuple(t.shape), total, weighted, magnitude)
 
 
+def sample_window(names: list[str], size: int, version: int) -> list[str]:
+    """The ``size`` names that ``verify_sync = sample`` checks at ``version`` (see the module docstring)."""
+    order = sorted(names)
+    random.Random(0).shuffle(order)
+    start = (int(version) * size) % len(order)
+    return sorted((order + order)[start : start + size])
+
+
 @dataclass
 class SyncReport:
     version: int
@@ -168,7 +177,7 @@ class WeightSync(ABC):
         """Compare the receiver's tensors with the sender's checksums; raise naming the tensors that differ."""
         names = sorted(expected)
         if self.verify_mode == "sample" and len(names) > self.sample_size:
-            names = sorted(random.Random(version).sample(names, self.sample_size))
+            names = sample_window(names, self.sample_size, version)
         bad = []
         for where, observed in self._observe(names, workers).items():
             for name in names:

@@ -6,6 +6,27 @@ import torch
 import torch.distributed as dist
 
 
+def hf_logprob_gap(hf_dir: str, seqs, actor_lp, plant: bool = False) -> float:
+    """Max |logp_HF - logp_actor| over response tokens, with transformers loading the exported checkpoint; ``plant``
+    swaps two query heads of layer 0 first (what a wrong QKV mapping would do) to show the comparison catches it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    if plant:
+        q = model.model.layers[0].self_attn.q_proj
+        d = model.config.hidden_size // model.config.num_attention_heads
+        with torch.no_grad():
+            for t in (q.weight, q.bias):
+                t[: 2 * d] = torch.cat([t[d : 2 * d], t[:d]]).clone()
+    gap = 0.0
+    with torch.no_grad():
+        for s, ref in zip(seqs, actor_lp):
+            logits = model(s.tokens[None]).logits[0, s.prompt_len - 1 : -1].float()
+            lp = logits.log_softmax(-1).gather(-1, s.tokens[s.prompt_len :, None])[:, 0]
+            gap = max(gap, float((lp - ref).abs().max()))
+    return gap
+
+
 def main(out: str, hf_dir: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor, Sequence
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
@@ -45,10 +66,17 @@ def main(out: str, hf_dir: str) -> None:
     for s, lp in zip(seqs, actor_lp):
         s.old_logprobs = lp
     actor.train_step(seqs)
+    trained_lp = actor.compute_logprobs(seqs)  # the megatron forward: the reference the export must reproduce
     sync_now(1)
     save_hf_checkpoint(actor.model, actor.arch, hf_dir)
     if engine:
+        # 3) independent of our export code's consumers: transformers' own Qwen2 forward on the exported files
+        result["hf_gap"] = hf_logprob_gap(hf_dir, seqs, trained_lp)
+        result["hf_gap_planted"] = hf_logprob_gap(hf_dir, seqs, trained_lp, plant=True)
         fresh = HFEngine.from_pretrained(hf_dir, info)
+        result["weights_equal"] = all(
+            torch.equal(engine.state_tensor(n), fresh.state_tensor(n)) for n in engine.weight_names()
+        )
         for name, params in (("greedy", greedy), ("sampled", sampled)):
             a, b = engine.generate(prompts, params, n=2), fresh.generate(prompts, params, n=2)
             result[f"{name}_equal"] = all(x.response_ids == y.response_ids for x, y in zip(a, b))

@@ -1,4 +1,5 @@
-"""HF rollout engine fed by a TP=2 megatron actor: logprob fidelity, and equality with the exported HF checkpoint."""
+"""HF rollout engine fed by a TP=2 megatron actor: logprob fidelity; the exported HF checkpoint equals the engine and,
+through transformers' own forward, the trained megatron actor."""
 
 from pathlib import Path
 
@@ -16,4 +17,11 @@ def test_tp2_sync_fidelity_and_export_equivalence(tmp_path):
     r = torch.load(out)
     assert r["gap_mean"] <= 1e-4 and r["gap_max"] <= 1e-3, r
     assert r["greedy_equal"] and r["sampled_equal"], r
-    assert r["greedy_lp_gap"] == 0.0 and r["sampled_lp_gap"] == 0.0, r
+    # the synced engine holds bit for bit what the exported checkpoint holds (the two engines differ only in their
+    # attention implementation, from_config vs from_pretrained: fp32 rounding)
+    assert r["weights_equal"], r
+    assert r["greedy_lp_gap"] <= 1e-6 and r["sampled_lp_gap"] <= 1e-6, r
+    # transformers' own forward on the exported checkpoint reproduces the trained megatron actor ...
+    assert r["hf_gap"] <= 1e-4, r
+    # ... and the comparison is sharp enough to see two swapped query heads in one layer
+    assert r["hf_gap_planted"] > 1e-2, r

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import AIME, REPO, make_char_hf_tokenizer, torchrun_cmd
 
@@ -86,11 +87,32 @@ def test_two_steps_tp2_writes_metrics_checkpoint_and_hf(tmp_path):
     assert rows[-1]["train/logp_gap_mean"] < 1e-4  # fp32 HF engine vs megatron actor after a verified sync
     assert (run / "checkpoints" / "step_000002" / "dapo_meta.json").is_file()
     assert (run / "report.png").stat().st_size > 10_000
-    # the exported HF checkpoint loads in transformers as is
+    # the exported HF checkpoint, run by transformers, computes what the final megatron checkpoint computes
+    ref = tmp_path / "actor_lp.pt"
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("actor_logprobs.py")), str(run / "config.yaml"),
+                          str(run / "checkpoints" / "step_000002"), str(ref)], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert hf_gap(run / "hf", torch.load(ref)) < 1e-4
+    assert hf_gap(run / "hf", torch.load(ref), plant="model.layers.1.mlp.down_proj.weight") > 1e-3  # sharp enough
+
+
+def hf_gap(hf_dir: Path, ref: dict, plant: str | None = None) -> float:
+    """Max |logp_transformers - logp_actor| over the reference's response tokens; ``plant`` scales one tensor by 1.01
+    first (the kind of error a wrong export would make)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(run / "hf")
-    assert model.config.num_hidden_layers == 2
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if plant:
+        with torch.no_grad():
+            model.get_parameter(plant).mul_(1.01)
+    gap = 0.0
+    with torch.no_grad():
+        for tokens, prompt_len, lp in zip(ref["tokens"], ref["prompt_lens"], ref["logprobs"]):
+            logits = model(tokens[None]).logits[0, prompt_len - 1 : -1].float()
+            mine = logits.log_softmax(-1).gather(-1, tokens[prompt_len:, None])[:, 0]
+            gap = max(gap, float((mine - lp).abs().max()))
+    return gap
 
 
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
@@ -152,11 +174,43 @@ def test_eval_tiny_model_on_aime(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    proc = dapo("eval", "--load", str(ckpt), "--data", str(AIME), "--n", "32", *common)
-    lines = dict(line.split() for line in proc.stdout.splitlines() if line.startswith("eval/"))
-    assert float(lines["eval/aime-2024/problems"]) == 30
-    assert float(lines["eval/aime-2024/samples"]) == 30 * 32
-    assert 0.0 <= float(lines["eval/aime-2024/avg@32"]) <= float(lines["eval/aime-2024/pass@32"]) <= 1.0
+    dump = tmp_path / "samples.jsonl"
+    proc = dapo("eval", "--load", str(ckpt), "--data", str(AIME), "--n", "32", "--samples-out", str(dump), *common)
+    lines = {k: float(v) for k, v in (line.split() for line in proc.stdout.splitlines() if line.startswith("eval/"))}
+    assert lines["eval/aime-2024/problems"] == 30 and lines["eval/aime-2024/samples"] == 30 * 32
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    check_eval_dump(rows, lines, AIME, k=32)
+    # planted faults the check must see: answers scored against the next problem's ground truth; a miscounted avg
+    shifted = [dict(r, ground_truth=rows[(i + 32) % len(rows)]["ground_truth"]) for i, r in enumerate(rows)]
+    with pytest.raises(AssertionError):
+        check_eval_dump(shifted, lines, AIME, k=32)
+    with pytest.raises(AssertionError):
+        check_eval_dump(rows, {**lines, "eval/aime-2024/avg@32": lines["eval/aime-2024/avg@32"] + 1 / 960}, AIME, 32)
+
+
+def check_eval_dump(rows: list[dict], printed: dict, parquet: Path, k: int) -> None:
+    """The printed metrics, recomputed from the dumped samples and the parquet file read independently."""
+    import pyarrow.parquet as pq
+
+    from megatron_dapo.reward.math_dapo import compute_score
+
+    truth = {}  # prompt text -> ground truth, from the file itself
+    for r in pq.read_table(parquet).to_pylist():
+        truth.setdefault(r["prompt"][-1]["content"], r["reward_model"]["ground_truth"])
+    by_problem = {}
+    for r in rows:
+        by_problem.setdefault(r["problem_id"], []).append(r)
+        content = next(c for c in truth if c in r["prompt"])  # the rendered prompt holds the problem's text
+        assert r["ground_truth"] == truth[content], r["problem"]  # scored against this problem's answer
+        rescored = compute_score(r["response"], r["ground_truth"])
+        assert (rescored["score"], bool(rescored["acc"])) == (r["score"], r["acc"]), r
+    assert len(by_problem) == len(truth) and all(len(v) == k for v in by_problem.values())
+    assert all(sorted(x["sample"] for x in v) == list(range(k)) for v in by_problem.values())
+    assert len({x["response"] for x in rows}) > len(rows) // 2  # k samples at T = 1, not k copies of one
+    avg = sum(r["acc"] for r in rows) / len(rows)
+    pass_k = sum(any(x["acc"] for x in v) for v in by_problem.values()) / len(by_problem)
+    assert printed[f"eval/aime-2024/avg@{k}"] == pytest.approx(avg, abs=1e-4)
+    assert printed[f"eval/aime-2024/pass@{k}"] == pytest.approx(pass_k, abs=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -125,10 +125,34 @@ def test_nan_in_sent_weights_is_refused(engine):
         CopySync(engine).sync(buckets(weights), version=1)
 
 
-def test_sample_mode_checks_a_per_version_subset(engine):
+def test_sample_mode_checks_a_per_version_subset(engine, monkeypatch):
     weights = fresh_weights(engine, 6)
     sync = CopySync(engine, verify="sample", sample_size=4)
-    assert sync.sync(buckets(weights), version=1).verified == 4
+    seen = []
+    observe = sync._observe
+    monkeypatch.setattr(sync, "_observe", lambda names, workers: seen.append(tuple(names)) or observe(names, workers))
+    rounds = -(-len(weights) // 4)  # every tensor once in this many consecutive versions
+    for version in range(1, rounds + 1):
+        assert sync.sync(buckets(weights), version=version).verified == 4
+    assert len(set(seen)) == rounds, "the sampled subset does not change with the version"
+    assert set().union(*seen) == set(weights), "some tensors are never verified"
+    sync.sync(buckets(weights), version=1)
+    assert seen[-1] == seen[0], "a version's subset is not reproducible"
+
+
+def test_sample_mode_catches_a_corrupted_tensor_when_sampled():
+    name = "model.layers.0.mlp.up_proj.weight"
+    engine = LossyEngine(ARCH, TokenizerInfo((), 0), corrupt=name, how="bump")
+    sync = CopySync(engine, verify="sample", sample_size=4)
+    caught, missed = [], []
+    for version in range(1, 13):
+        try:
+            sync.sync(buckets(fresh_weights(engine, 9)), version=version)
+            missed.append(version)
+        except WeightSyncError as e:
+            assert f"tensor '{name}'" in str(e)
+            caught.append(version)
+    assert caught and missed  # a sample: it catches the corruption on the versions whose subset holds the tensor
 
 
 def test_outputs_follow_the_synced_weights(engine):
