@@ -70,6 +70,7 @@ def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], 
                     prompt_len=len(g.prompt_ids),
                     advantage=float(row[j]),
                     loss_mask=mask,
+                    rollout_logprobs=_rollout_logprobs(g.rollout_logprobs[j], len(resp)),
                 )
             )
     lengths = torch.tensor([float(len(r)) for g in groups for r in g.responses])
@@ -85,6 +86,15 @@ def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], 
         "train/adv_abs_mean": float(adv.abs().mean()),
     }
     return seqs, metrics
+
+
+def _rollout_logprobs(logprobs: list[float], length: int) -> torch.Tensor | None:
+    """The engine's logprobs of one response, or None when it returned none (sampling without logprobs)."""
+    if not logprobs:
+        return None
+    if len(logprobs) != length:
+        raise ValueError(f"the rollout returned {len(logprobs)} logprobs for a response of {length} tokens")
+    return torch.tensor(logprobs, dtype=torch.float32)
 
 
 def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -> dict[str, float]:

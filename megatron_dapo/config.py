@@ -124,6 +124,10 @@ class AlgoConfig:
     dynamic_sampling: bool = True
     gen_batch_prompts: int = 1536  # prompts generated per round (DAPO: 3 x B)
     max_gen_batches: int = 10  # <= 0: unbounded
+    # truncated importance sampling: weight each token's loss by min(pi_old / pi_rollout, tis_cap) (verl, slime);
+    # auto = on when training and rollout precision differ (model.fp8)
+    tis: Literal["auto", "on", "off"] = "auto"
+    tis_cap: float = 2.0
 
 
 @dataclass
@@ -165,6 +169,9 @@ class TrainConfig:
     save_interval: int = 50  # steps; 0 = only at the end
     keep_checkpoints: int = 2
     export_hf: bool = True  # also write an HF checkpoint at the end
+    # pi_old of the first mini-batch of a step is the current policy: take it from the training forward (exact) instead
+    # of a separate forward pass; true = recompute every sequence's old logprobs first
+    recompute_old_logprobs: bool = False
     run_dir: str = "runs"
     name: str = "dapo"
     wandb_project: str | None = None
@@ -202,6 +209,11 @@ class DapoConfig:
     @property
     def num_updates(self) -> int:
         return self.train.batch_prompts // self.train.mini_batch_prompts
+
+    @property
+    def tis_enabled(self) -> bool:
+        """Truncated importance sampling on: asked for, or (auto) training in FP8 against a bf16/fp32 rollout."""
+        return self.algo.tis == "on" or (self.algo.tis == "auto" and self.model.fp8 is not None)
 
     @property
     def max_seq_len(self) -> int:
@@ -438,6 +450,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             r.sampling.max_new_tokens,
             f"the max response length must exceed algo.overlong_cache ({a.overlong_cache})",
         )
+    if a.tis_cap <= 0:
+        fail("algo.tis_cap", a.tis_cap, "must be > 0 (the cap C of the importance weights min(pi_old/pi_rollout, C))")
     if a.gen_batch_prompts < 1:
         fail("algo.gen_batch_prompts", a.gen_batch_prompts, "must be >= 1")
     if not a.dynamic_sampling and a.gen_batch_prompts < t.batch_prompts:

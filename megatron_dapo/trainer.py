@@ -117,15 +117,11 @@ class Trainer:
                 with Timer("rollout", times):
                     groups, sampling_stats = broadcast(self.collect_groups(step) if is_driver() else None)
                 seqs, metrics = to_sequences(groups, cfg)
-                with Timer("old_logprobs", times):
-                    old, entropy = self.actor.compute_logprobs(seqs, with_entropy=True)
-                for s, lp in zip(seqs, old):
-                    s.old_logprobs = lp
-                metrics.update(logprob_gap_stats(groups, old))
-                metrics["train/entropy"] = float(torch.cat(entropy).mean())  # of the rollout policy, per token
-                check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
-                with Timer("train", times):
+                with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
+                metrics.update(logprob_gap_stats(groups, [s.old_logprobs for s in seqs]))
+                metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old, per token
+                check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 with Timer("sync", times):
                     metrics.update(self.rollout.sync_weights(self.actor, version=step))
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or step == cfg.train.steps:

@@ -9,6 +9,7 @@ DP work the same way; the loss uses the GLOBAL token denominator of the mini-bat
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -19,10 +20,17 @@ import torch.distributed as dist
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.logprobs import token_logprobs
-from megatron_dapo.actor.provider import DTYPES, build_model, use_transformer_engine
-from megatron_dapo.algo.loss import combine_loss_metrics, loss_denominator, policy_loss, sft_loss
+from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, use_transformer_engine
+from megatron_dapo.algo.loss import (
+    LOSS_METRIC_REDUCTIONS,
+    combine_loss_metrics,
+    loss_denominator,
+    policy_loss,
+    sft_loss,
+)
 from megatron_dapo.config import ArchConfig, DapoConfig, load_arch, padded_vocab_size
-from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
+from megatron_dapo.data.geometry import micro_batch_geometry
+from megatron_dapo.data.packing import balance_across_dp, pack_sequences, pad_batch, split_mini_batches
 
 
 @dataclass
@@ -33,16 +41,53 @@ class Sequence:
     prompt_len: int
     advantage: float = 0.0
     old_logprobs: torch.Tensor | None = None  # [R] fp32 (recomputed by the actor before training)
+    rollout_logprobs: torch.Tensor | None = None  # [R] fp32, the rollout engine's (truncated importance sampling)
     loss_mask: torch.Tensor | None = None  # [R] 1 = in the loss (overlong filtering zeroes truncated samples)
+    entropy: torch.Tensor | None = None  # [R] of pi_old at each response position (set by train_step)
 
     @property
     def response_len(self) -> int:
         return int(self.tokens.numel()) - self.prompt_len
 
 
+def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[int], total: int) -> dict:
+    """Flat [total] arrays of a micro-batch whose sequence j starts at ``offsets[j]``: position t carries the label
+    t+1 of its sequence and, where that label is a response token (``valid``), its sequence index, response offset,
+    old and rollout logprobs, advantage and loss mask. Padding positions are never valid: they reach neither the loss
+    nor its token denominator."""
+    labels = torch.zeros(total, dtype=torch.long)
+    valid = torch.zeros(total, dtype=torch.bool)
+    seq_id = torch.full((total,), -1, dtype=torch.long)
+    resp_off = torch.zeros(total, dtype=torch.long)
+    old, rollout, adv, mask = (torch.zeros(total) for _ in range(4))
+    for j, (s, off) in enumerate(zip(seqs, offsets)):
+        r, start = s.response_len, off + s.prompt_len - 1  # position `start` predicts the first response token
+        span = slice(start, start + r)
+        labels[span] = s.tokens[s.prompt_len :]
+        valid[span] = True
+        seq_id[span] = indices[j]
+        resp_off[span] = torch.arange(r)
+        old[span] = s.old_logprobs if s.old_logprobs is not None else 0.0
+        rollout[span] = s.rollout_logprobs if s.rollout_logprobs is not None else 0.0
+        adv[span] = float(s.advantage)
+        mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
+    return {"labels": labels, "valid": valid, "seq_id": seq_id, "resp_off": resp_off, "old_logprobs": old,
+            "rollout_logprobs": rollout, "advantages": adv, "loss_mask": mask}  # fmt: skip
+
+
 def _passthrough_head(hidden, weight=None, runtime_gather_output=None):
     """Replaces ``GPTModel.output_layer.forward``: the model returns hidden states; logits are formed in chunks."""
     return hidden, None
+
+
+def _sequence_parallel_head(hidden, weight=None, runtime_gather_output=None):
+    """The passthrough under sequence parallelism: all-gather the sequence shards [s/TP, b, h] -> [s, b, h] the way
+    megatron's output ColumnParallelLinear does before its GEMM (megatron-core 0.16.1 tensor_parallel/layers.py:478-484
+    forward all-gather, :548-558 backward reduce-scatter; the op is layers.py:431-434). The backward reduce-scatter
+    sums the vocab shards' partial gradients, so ``token_logprobs`` must not all-reduce them again."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True), None
 
 
 class MegatronActor:
@@ -60,6 +105,8 @@ class MegatronActor:
         init_distributed(p)
         seed_everything(cfg.train.seed)
         self.te = use_transformer_engine(cfg.model)
+        if dist.get_rank() == 0:
+            print(describe_spec(cfg.model), file=sys.stderr, flush=True)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -80,9 +127,15 @@ class MegatronActor:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer
         )
         self.model = [DistributedDataParallel(self.tf_config, ddp_config, c) for c in chunks]
+        self.geometry = micro_batch_geometry(
+            self.te, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel, fp8=bool(cfg.model.fp8)
+        )
+        # logprobs of the distribution the rollout samples from: softmax(logits / T) (greedy: T = 1)
+        self.temperature = cfg.rollout.sampling.temperature or 1.0
+        head = _sequence_parallel_head if p.sequence_parallel else _passthrough_head
         for m in self.model:
             if m.module.post_process:
-                m.module.output_layer.forward = _passthrough_head
+                m.module.output_layer.forward = head
         # Hooks megatron-core's schedules call (megatron's own training loop sets the same ones).
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = self.model[0].no_sync
@@ -142,65 +195,51 @@ class MegatronActor:
     # Micro-batches
 
     def _micro_batches(self, seqs: list[Sequence]) -> list[dict]:
-        """This DP rank's packed micro-batches (equal count on every DP rank; empty ones carry a dummy token)."""
+        """This DP rank's micro-batches (equal count on every DP rank; empty ones carry a dummy token), shaped by
+        ``self.geometry``: packed THD rows on Transformer Engine, length-bucketed padded [B, L] batches otherwise."""
         lengths = [int(s.tokens.numel()) for s in seqs]
         per_rank, self.last_balance = balance_across_dp(
-            lengths, self.dp_size, self.cfg.parallel.max_tokens_per_micro_batch
+            lengths, self.dp_size, self.cfg.parallel.max_tokens_per_micro_batch, self.geometry
         )
         return [self._micro_batch([seqs[i] for i in idx], idx) for idx in per_rank[self.dp_rank]]
 
     def _micro_batch(self, seqs: list[Sequence], indices: list[int]) -> dict:
-        """One packed row plus per-POSITION arrays: position t carries the label t+1 of its sequence and, where that
-        label is a response token, its old logprob, advantage, loss mask, sequence and response offset. Keeping every
-        array per position lets context parallelism slice them all with the tokens (megatron-core's THD split)."""
-        cp = self.cfg.parallel.cp
-        packed = pack_sequences([s.tokens for s in seqs], seq_pad_multiple=2 * cp if cp > 1 else 1)
-        total = packed.total_tokens
-        labels = torch.zeros(total, dtype=torch.long)
-        valid = torch.zeros(total, dtype=torch.bool)
-        seq_id = torch.full((total,), -1, dtype=torch.long)
-        resp_off = torch.zeros(total, dtype=torch.long)
-        old, adv, mask = torch.zeros(total), torch.zeros(total), torch.zeros(total)
-        for j, (s, off) in enumerate(zip(seqs, packed.cu_seqlens_padded.tolist())):
-            r, start = s.response_len, off + s.prompt_len - 1  # position `start` predicts the first response token
-            span = slice(start, start + r)
-            labels[span] = s.tokens[s.prompt_len :]
-            valid[span] = True
-            seq_id[span] = indices[j]
-            resp_off[span] = torch.arange(r)
-            old[span] = s.old_logprobs if s.old_logprobs is not None else 0.0
-            adv[span] = float(s.advantage)
-            mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
-        batch = {
-            "tokens": packed.tokens,
-            "position_ids": packed.position_ids,
-            "labels": labels[None],
-            "valid": valid[None],
-            "seq_id": seq_id[None],
-            "resp_off": resp_off[None],
-            "old_logprobs": old[None],
-            "advantages": adv[None],
-            "loss_mask": mask[None],
-        }
-        mb = {"num_tokens": total}
+        """Tokens plus per-POSITION arrays of the same shape: position t carries the label t+1 of its sequence and,
+        where that label is a response token, its old and rollout logprobs, advantage, loss mask, sequence and
+        response offset. Keeping every array per position lets context parallelism slice them all with the tokens
+        (megatron-core's THD split)."""
+        tokens = [s.tokens for s in seqs]
+        if self.geometry.layout == "padded":
+            layout = pad_batch(tokens)
+        else:
+            layout = pack_sequences(tokens, self.geometry)
+        shape = layout.tokens.shape
+        per_position = per_position_arrays(seqs, indices, layout.offsets, layout.total_tokens)
+        batch = {"tokens": layout.tokens, "position_ids": layout.position_ids}
+        batch.update({k: v.view(shape) for k, v in per_position.items()})
+        mb = {"num_tokens": layout.total_tokens}
         if self.te:  # TE: packed THD format; with CP each rank keeps its load-balanced chunks of every sequence
             from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
+            cu_seqlens = layout.cu_seqlens.to(self.device)
+            # the same tensor object when nothing is padded: TE then keeps its FlashAttention-2 backend available
+            # (TE attention/dot_product_attention/dot_product_attention.py:2014-2026, pad_between_seqs)
+            same = torch.equal(layout.cu_seqlens, layout.cu_seqlens_padded)
+            cu_padded = cu_seqlens if same else layout.cu_seqlens_padded.to(self.device)
             batch, mb["packed_seq_params"] = get_thd_batch_on_this_cp_rank(
-                {k: v.to(self.device) for k, v in batch.items()},
-                packed.cu_seqlens.to(self.device),
-                packed.cu_seqlens_padded.to(self.device),
-                torch.tensor([packed.max_seqlen]),
-            )
+                {k: v.to(self.device) for k, v in batch.items()}, cu_seqlens, cu_padded,
+                torch.tensor([layout.max_seqlen]),
+            )  # fmt: skip
             mb["attention_mask"] = None
             mb["num_tokens"] = batch["tokens"].shape[1]
-        else:  # local spec: block-diagonal causal mask (RoPE is relative, so global positions give the same scores)
-            mb["attention_mask"] = packed.attention_mask().to(self.device)
+        else:  # local spec: right-padded rows under one causal mask
+            mb["attention_mask"] = layout.causal_mask().to(self.device)
         mb.update({k: v.to(self.device) for k, v in batch.items()})
-        keep = mb["valid"][0]
+        keep = mb["valid"].reshape(-1)
         # the loss inputs: this rank's response-predicting positions only
-        for key in ("labels", "seq_id", "resp_off", "old_logprobs", "advantages", "loss_mask"):
-            mb["sel_" + key] = mb[key][0][keep]
+        for key in per_position:
+            if key != "valid":
+                mb["sel_" + key] = mb[key].reshape(-1)[keep]
         mb["sel_index"] = keep.nonzero().squeeze(-1)
         return mb
 
@@ -225,8 +264,8 @@ class MegatronActor:
         )
 
     def _token_logprobs(self, mb: dict, model, hidden: torch.Tensor, with_entropy: bool):
-        # hidden: [1, T, h] on the last stage (the output layer is a passthrough)
-        h = hidden[0].index_select(0, mb["sel_index"])
+        # hidden: [b, s, h] on the last stage (the output layer is a passthrough; b = 1 for packed rows)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb["sel_index"])
         return token_logprobs(
             h,
             self._head_weight(model),
@@ -234,6 +273,8 @@ class MegatronActor:
             self.arch.vocab_size,
             chunk_tokens=self.cfg.parallel.logprob_chunk_tokens,
             with_entropy=with_entropy,
+            grad_reduced=self.cfg.parallel.sequence_parallel,
+            temperature=self.temperature,
         )
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -241,7 +282,8 @@ class MegatronActor:
 
     @torch.no_grad()
     def compute_logprobs(self, seqs: list[Sequence], with_entropy: bool = False):
-        """Per-sequence logprobs of the response tokens ([R] fp32 each), and entropies if asked; on every rank."""
+        """Per-sequence logprobs of the response tokens ([R] fp32 each), and entropies if asked; on every rank.
+        Logprobs are of the sampling distribution, softmax(logits / T) at the rollout temperature T (engine.py)."""
         for m in self.model:
             m.eval()
 
@@ -249,18 +291,23 @@ class MegatronActor:
             lp, ent = self._token_logprobs(mb, model, hidden, with_entropy)
             return hidden.new_zeros(()), {"logprobs": lp, "entropy": ent, "mb": mb}
 
-        mbs = self._micro_batches(seqs)
-        results = self._run(mbs, loss_fn, forward_only=True)
+        results = self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
+        lp_out, ent_out = self._per_sequence(results, seqs)
+        return (lp_out, ent_out) if with_entropy else lp_out
+
+    def _per_sequence(self, results: list[dict], seqs: list[Sequence]) -> tuple[list, list]:
+        """Scatter the per-position "logprobs" (and "entropy") of ``results`` back to one [R] tensor per sequence, on
+        every rank: gathered from the last stage of every DP (and CP) rank."""
         parts = []  # (sequence, response offset, logprob, entropy) of this rank's positions
         if self.last_stage and self.tp_rank == 0:
             for res in results:
-                mb = res["mb"]
-                ent = res["entropy"].cpu() if with_entropy else torch.zeros_like(res["logprobs"])
-                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), res["logprobs"].cpu(), ent))
+                mb, lp = res["mb"], res["logprobs"].detach().cpu()
+                ent = res["entropy"].cpu() if res.get("entropy") is not None else torch.zeros_like(lp)
+                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), lp, ent))
         lp_out = [torch.zeros(s.response_len) for s in seqs]
         ent_out = [torch.zeros(s.response_len) for s in seqs]
         gathered = [parts]
-        if dist.get_world_size() > 1:  # from the last stage of every DP (and CP) rank to everyone
+        if dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, parts)
         for rank_parts in gathered:
@@ -269,21 +316,41 @@ class MegatronActor:
                     sel = seq_id == i
                     lp_out[i][off[sel]] = lp[sel]
                     ent_out[i][off[sel]] = ent[sel]
-        return (lp_out, ent_out) if with_entropy else lp_out
+        return lp_out, ent_out
 
     def train_step(self, seqs: list[Sequence]) -> dict[str, float]:
-        """One DAPO step: ``num_updates`` mini-batch updates over ``seqs`` (grouped by prompt, in order)."""
+        """One DAPO step: ``num_updates`` mini-batch updates over ``seqs`` (grouped by prompt, in order).
+
+        π_old is the policy before the step. Sequences that come with ``old_logprobs`` use them; for the others they
+        are computed here, before the first update — except for the first mini-batch (unless
+        ``train.recompute_old_logprobs``): there π_old IS the current policy, so its training forward's detached
+        logprobs are π_old exactly (ratio 1, as verl and TRL do) and no separate pass is needed. Afterwards every
+        sequence holds the ``old_logprobs`` (and, where computed here, the ``entropy``) the step used."""
         a = self.cfg.algo
-        num_updates = self.cfg.num_updates
-        for s in seqs:
-            if s.old_logprobs is None or s.old_logprobs.numel() != s.response_len:
-                raise ValueError("train_step: every Sequence needs old_logprobs of its response (compute_logprobs)")
+        minis = split_mini_batches(len(seqs), self.cfg.num_updates)
+        first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
+            seqs[i].old_logprobs is None for i in minis[0]
+        )
         t0 = time.perf_counter()
+        missing = [s for k, rng in enumerate(minis) for s in (seqs[i] for i in rng)
+                   if s.old_logprobs is None and not (first_from_forward and k == 0)]  # fmt: skip
+        if missing:
+            for s, lp, ent in zip(missing, *self.compute_logprobs(missing, with_entropy=True)):
+                s.old_logprobs, s.entropy = lp, ent
+        old_seconds = time.perf_counter() - t0
+        for s in seqs[minis[0].start : minis[0].stop] if not first_from_forward else []:
+            if s.old_logprobs.numel() != s.response_len:
+                raise ValueError(f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
+                                 f"{s.response_len} tokens")  # fmt: skip
+        tis_cap = a.tis_cap if self.cfg.tis_enabled else None
+        if tis_cap and any(s.rollout_logprobs is None for s in seqs):
+            raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
         for m in self.model:
             m.train()
         parts, losses, grad_norms, tokens = [], [], [], 0
-        for rng in split_mini_batches(len(seqs), num_updates):
+        for k, rng in enumerate(minis):
             mini = [seqs[i] for i in rng]
+            from_forward = first_from_forward and k == 0
             all_mask = torch.cat(
                 [s.loss_mask.float() if s.loss_mask is not None else torch.ones(s.response_len) for s in mini]
             )
@@ -292,11 +359,12 @@ class MegatronActor:
             mbs = self._micro_batches(mini)
             scale = len(mbs) * self.dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/DP averaging
 
-            def loss_fn(mb, model, hidden, denominator=denominator, scale=scale):
-                lp, _ = self._token_logprobs(mb, model, hidden, with_entropy=False)
+            def loss_fn(mb, model, hidden, denominator=denominator, scale=scale, from_forward=from_forward):
+                lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=from_forward)
+                old = lp.detach() if from_forward else mb["sel_old_logprobs"]
                 loss, metrics = policy_loss(
                     lp[None],
-                    mb["sel_old_logprobs"][None],
+                    old[None],
                     mb["sel_advantages"][None],
                     mb["sel_loss_mask"][None],
                     eps_low=a.eps_low,
@@ -305,22 +373,33 @@ class MegatronActor:
                     agg=a.loss_agg,
                     denominator=denominator,
                     seq_ids=mb["sel_seq_id"][None],
+                    rollout_logprobs=mb["sel_rollout_logprobs"][None] if tis_cap else None,
+                    tis_cap=tis_cap,
                 )
-                return loss * scale, {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+                out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+                if from_forward:
+                    out.update(logprobs=lp.detach(), entropy=ent, mb=mb)
+                return loss * scale, out
 
             for m in self.model:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             results = self._run(mbs, loss_fn, forward_only=False)
+            if from_forward:
+                for s, lp, ent in zip(mini, *self._per_sequence(results, mini)):
+                    s.old_logprobs, s.entropy = lp, ent
             grad_norm = self._optimizer_update()
             grad_norms.append(grad_norm)
             if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
-                parts += results
+                parts += [{k: v for k, v in r.items() if k not in ("logprobs", "entropy", "mb")} for r in results]
                 losses.append(sum(float(r["loss"]) for r in results))
             tokens += sum(mb["num_tokens"] for mb in mbs)
         self.scheduler.step(increment=1)
         self.step += 1
-        return self._step_metrics(parts, losses, grad_norms, tokens, time.perf_counter() - t0)
+        metrics = self._step_metrics(parts, losses, grad_norms, tokens, time.perf_counter() - t0)
+        metrics["time/old_logprobs_s"] = old_seconds
+        metrics["train/old_logprob_pass_seqs"] = float(len(missing))
+        return metrics
 
     def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule
@@ -369,17 +448,7 @@ class MegatronActor:
         return grad_norm
 
     def _step_metrics(self, parts, losses, grad_norms, tokens, seconds) -> dict[str, float]:
-        keys = (
-            "num_tokens",
-            "clip_low_tokens",
-            "clip_high_tokens",
-            "clip_dual_tokens",
-            "ppo_kl_sum",
-            "ratio_sum",
-            "ratio_max",
-            "ratio_min",
-        )
-        local = [{k: r[k].cpu() for k in keys} for r in parts]
+        local = [{k: r[k].cpu() for k in LOSS_METRIC_REDUCTIONS} for r in parts]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (local, sum(losses), tokens))
         all_parts = [p for g in gathered for p in g[0]]
@@ -387,7 +456,11 @@ class MegatronActor:
         # loss: sum over ranks of the local sums of per-micro-batch losses, averaged over the updates
         loss = sum(g[1] for g in gathered if g) / self.cfg.num_updates
         total_tokens = sum(g[2] for g in gathered) / max(1, self.cfg.parallel.tp * self.cfg.parallel.pp)
+        tis = {}
+        if self.cfg.tis_enabled:
+            tis = {f"train/{k}": float(m.get(k, 0.0)) for k in ("tis_mean", "tis_capped_frac", "tis_max")}
         return {
+            **tis,
             "train/loss": loss,
             "train/clip_frac_low": float(m.get("clip_frac_low", 0.0)),
             "train/clip_frac_high": float(m.get("clip_frac_high", 0.0)),

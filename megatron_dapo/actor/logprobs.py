@@ -25,9 +25,11 @@ def _vocab_range(weight_rows: int, real_vocab: int) -> tuple[int, int]:
     return start, max(0, min(weight_rows, real_vocab - start))
 
 
-def _masked_logits(hidden: torch.Tensor, weight: torch.Tensor, real_vocab: int) -> torch.Tensor:
-    """``hidden [n, h] @ weight[V/TP, h]^T`` in fp32, with the padded vocabulary entries set to the dtype minimum."""
+def _masked_logits(hidden: torch.Tensor, weight: torch.Tensor, real_vocab: int, temperature: float) -> torch.Tensor:
+    """``hidden [n, h] @ weight[V/TP, h]^T / T`` in fp32, the padded vocabulary entries set to the dtype minimum."""
     logits = torch.matmul(hidden, weight.t()).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     _, valid = _vocab_range(weight.shape[0], real_vocab)
     if valid < weight.shape[0]:
         logits = logits.clone()
@@ -35,19 +37,21 @@ def _masked_logits(hidden: torch.Tensor, weight: torch.Tensor, real_vocab: int) 
     return logits
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, real_vocab: int) -> torch.Tensor:
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, real_vocab: int, temperature: float
+) -> torch.Tensor:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _masked_logits(hidden, weight, real_vocab)
+    logits = _masked_logits(hidden, weight, real_vocab, temperature)
     # vocab_parallel_cross_entropy expects [s, b, V/TP] and returns -log p(target) [s, b].
     return -vocab_parallel_cross_entropy(logits.unsqueeze(1), targets.unsqueeze(1)).squeeze(1)
 
 
 @torch.no_grad()
-def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, real_vocab: int) -> torch.Tensor:
+def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, real_vocab: int, temperature: float) -> torch.Tensor:
     import torch.distributed as dist
 
-    logits = _masked_logits(hidden, weight, real_vocab)
+    logits = _masked_logits(hidden, weight, real_vocab, temperature)
     group = _tp_group()
     logits_max = logits.max(dim=-1).values
     dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
@@ -69,26 +73,30 @@ def token_logprobs(
     *,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
+    grad_reduced: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) for ``hidden [n, h]`` rows under the vocab-parallel head ``weight [V/TP, h]``.
+    """log p(targets) for ``hidden [n, h]`` rows under the vocab-parallel head ``weight [V/TP, h]``, of the
+    distribution softmax(logits / ``temperature``) (the one a rollout at that temperature samples from).
 
     Returns ``(logprobs [n] fp32, entropy [n] fp32 or None)``. Differentiable w.r.t. ``hidden`` and ``weight`` when
-    grad is enabled; the hidden state's gradient is all-reduced across TP like megatron's ColumnParallelLinear input.
+    grad is enabled; the hidden state's gradient is all-reduced across TP like megatron's ColumnParallelLinear input,
+    unless ``grad_reduced``: the caller's sequence-parallel gather already reduce-scatters it in backward.
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    if hidden.requires_grad:
+    if hidden.requires_grad and not grad_reduced:
         hidden = copy_to_tensor_model_parallel_region(hidden)
     outs, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h = hidden[start : start + chunk_tokens]
         t = targets[start : start + chunk_tokens]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            outs.append(checkpoint(_chunk_logprobs, h, weight, t, real_vocab, use_reentrant=False))
+            outs.append(checkpoint(_chunk_logprobs, h, weight, t, real_vocab, temperature, use_reentrant=False))
         else:
-            outs.append(_chunk_logprobs(h, weight, t, real_vocab))
+            outs.append(_chunk_logprobs(h, weight, t, real_vocab, temperature))
         if with_entropy:
-            ents.append(_chunk_entropy(h.detach(), weight.detach(), real_vocab))
+            ents.append(_chunk_entropy(h.detach(), weight.detach(), real_vocab, temperature))
     # no positions (an empty micro-batch): an empty result still connected to the graph, so backward runs
     logprobs = torch.cat(outs) if outs else hidden[:0, 0].float() * 0
     entropy = (torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)) if with_entropy else None

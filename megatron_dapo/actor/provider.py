@@ -18,24 +18,56 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @functools.cache
-def have_transformer_engine() -> bool:
-    """TE is usable only with CUDA; a half-installed TE raises on import, so guard the import itself."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
-        return False
+def transformer_engine_status() -> tuple[bool, str]:
+    """(usable, why not). TE needs CUDA; a half-installed TE raises on import (RuntimeError, OSError, not only
+    ImportError), so the import itself is tried, once."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False, "transformer_engine is not installed"
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # broken TE install (RuntimeError, OSError): fall back to the local spec
-        return False
-    return True
+    except Exception as e:
+        return False, f"import transformer_engine.pytorch failed: {type(e).__name__}: {e}"
+    return True, ""
+
+
+def have_transformer_engine() -> bool:
+    return transformer_engine_status()[0]
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
+    """Whether the actor uses the TE layer spec. ``transformer_engine`` without a usable TE is an error naming why;
+    ``auto`` uses TE when it works, the local spec on a machine without CUDA, and refuses a GPU whose TE install is
+    broken (that fallback would silently trade TE's varlen attention for dense [L, L] attention)."""
+    usable, why = transformer_engine_status()
     impl = model_cfg.transformer_impl
-    if impl == "transformer_engine" and not have_transformer_engine():
+    if impl == "transformer_engine" and not usable:
         raise ConfigError(
-            "model.transformer_impl = 'transformer_engine': Transformer Engine needs CUDA and a TE install"
+            f"model.transformer_impl = 'transformer_engine': Transformer Engine is not usable ({why}); install "
+            "transformer-engine[pytorch] (or run in the NGC PyTorch container), or set model.transformer_impl=local"
         )
-    return impl == "transformer_engine" or (impl == "auto" and have_transformer_engine())
+    if impl == "auto" and not usable and torch.cuda.is_available() and "failed" in why:
+        raise ConfigError(
+            f"model.transformer_impl = 'auto': Transformer Engine is installed but broken ({why}); fix the install, "
+            "or set model.transformer_impl=local to train with megatron-core's local spec on purpose"
+        )
+    return impl == "transformer_engine" or (impl == "auto" and usable)
+
+
+def describe_spec(model_cfg: ModelConfig) -> str:
+    """One line saying which layer spec the actor uses and why (printed once at start-up)."""
+    usable, why = transformer_engine_status()
+    if use_transformer_engine(model_cfg):
+        fp8 = f", FP8 {model_cfg.fp8} ({model_cfg.fp8_recipe})" if model_cfg.fp8 else ""
+        return f"actor: Transformer Engine layer spec, packed THD micro-batches{fp8}"
+    reason = "model.transformer_impl=local" if model_cfg.transformer_impl == "local" else why
+    warn = (
+        " — WARNING: dense attention on a GPU; install transformer-engine for long sequences"
+        if torch.cuda.is_available()
+        else ""
+    )
+    return f"actor: megatron-core local layer spec ({reason}), padded [B, L] micro-batches{warn}"
 
 
 def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchConfig) -> None:

@@ -21,6 +21,11 @@ losses equals the full-batch loss exactly, whatever the split. Sequences must no
 Packed rows: pass ``seq_ids`` ([batch, seq] integers) to say which sequence each token belongs to, when one row holds
 several sequences; without it each row is one sequence. Only the seq-mean variants look at it.
 
+Rollout/train mismatch (truncated importance sampling; verl ``rollout_corr_helper.py`` token level, slime
+``vanilla_tis_function``): when the rollout engine's logprobs ``rollout_logprobs`` are given with ``tis_cap`` C, each
+token's loss pg_t is multiplied by the constant weight w_t = min(exp(logp_old_t − logp_rollout_t), C), which corrects
+for sampling from π_rollout (another precision, other kernels) while the ratio r_t is taken against π_old.
+
 Metrics are computed over the valid tokens, without gradient. Besides the means they hold summable counts, so
 micro-batches (or ranks, after an all-gather) combine exactly with :func:`combine_loss_metrics`.
 """
@@ -48,6 +53,9 @@ LOSS_METRIC_REDUCTIONS = {
     "ratio_sum": "sum",
     "ratio_max": "max",  # over micro-batches with num_tokens > 0
     "ratio_min": "min",  # over micro-batches with num_tokens > 0
+    "tis_sum": "sum",  # importance weights (after the cap); 0 without TIS
+    "tis_capped_tokens": "sum",
+    "tis_max": "max",  # before the cap: how far the rollout strays
 }
 
 
@@ -103,6 +111,8 @@ def policy_loss(
     agg: str = "token-mean",
     denominator: int | float | torch.Tensor | None = None,
     seq_ids: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO clipped policy-gradient loss (see the module docstring for the equations).
 
@@ -119,6 +129,8 @@ def policy_loss(
         denominator: the global :func:`loss_denominator` summed over all micro-batches and ranks; None = local count.
             A denominator of 0 (nothing valid anywhere) gives a loss of 0.
         seq_ids: [batch, seq] sequence index of each token for packed rows (seq-mean variants only).
+        rollout_logprobs, tis_cap: the rollout engine's logprobs [batch, seq] and the cap C of the truncated
+            importance weights (both, or neither).
 
     Returns:
         (loss, metrics): a 0-dim loss (float32, or float64 for float64 inputs) and a dict of 0-dim detached tensors:
@@ -158,6 +170,14 @@ def policy_loss(
     pg = torch.maximum(pg_unclipped, pg_clipped)
     if clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * clip_c), pg)
+    tis = None
+    if (rollout_logprobs is None) != (tis_cap is None):
+        raise ValueError("rollout_logprobs and tis_cap go together (truncated importance sampling)")
+    if rollout_logprobs is not None:
+        if rollout_logprobs.shape != shape:
+            raise ValueError(f"rollout_logprobs has shape {tuple(rollout_logprobs.shape)}; expected {tuple(shape)}")
+        tis = truncated_is_weights(old_logprobs, rollout_logprobs, valid, dtype)
+        pg = pg * tis.clamp(max=tis_cap)
     pg = torch.where(valid, pg, 0.0)
 
     if agg == "token-mean":
@@ -187,11 +207,22 @@ def policy_loss(
     loss = total / denom
 
     with torch.no_grad():
-        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c)
+        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis, tis_cap)
     return loss, metrics
 
 
-def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c) -> dict[str, torch.Tensor]:
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """exp(logp_old − logp_rollout) per token, detached, 1 where not valid (uncapped; the caller caps at C).
+
+    The log-ratio is clamped to ±``MAX_LOG_RATIO`` as verl does (its SAFETY_BOUND), so a token the rollout engine
+    found near-impossible cannot overflow; the cap makes any such weight C anyway."""
+    log_w = torch.where(valid, old_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype), 0.0)
+    return torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, tis_cap=None) -> dict:
     n = valid.sum(dtype=torch.int64)
     low = (valid & (adv < 0) & (ratio < 1.0 - eps_low)).sum(dtype=torch.int64)
     high = (valid & (adv > 0) & (ratio > 1.0 + eps_high)).sum(dtype=torch.int64)
@@ -213,7 +244,14 @@ def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c) -> dict[st
         "ratio_min": torch.where(any_valid, torch.where(valid, ratio, torch.inf).amin(), zero)
         if ratio.numel()
         else zero,
+        "tis_sum": zero,
+        "tis_capped_tokens": torch.zeros_like(n),
+        "tis_max": zero,
     }
+    if tis is not None:
+        sums["tis_sum"] = torch.where(valid, tis.clamp(max=tis_cap), 0.0).sum()
+        sums["tis_capped_tokens"] = (valid & (tis > tis_cap)).sum(dtype=torch.int64)
+        sums["tis_max"] = torch.where(valid, tis, 0.0).amax() if tis.numel() else zero
     return loss_metrics_from_sums(sums)
 
 
@@ -227,6 +265,8 @@ def loss_metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         "clip_frac_dual": sums["clip_dual_tokens"] / denom,
         "ppo_kl": sums["ppo_kl_sum"] / denom,
         "ratio_mean": sums["ratio_sum"] / denom,
+        "tis_mean": sums["tis_sum"] / denom,
+        "tis_capped_frac": sums["tis_capped_tokens"] / denom,
     }
     out.update({k: sums[k] for k in LOSS_METRIC_REDUCTIONS})
     return {k: v.detach() for k, v in out.items()}

@@ -106,11 +106,14 @@ def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[st
 
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     receiver = pp_ranks[0]
+    # Every tensor crossing stages lives on the parameters' device: NCCL takes only CUDA tensors (torch
+    # csrc/distributed/c10d/ProcessGroupNCCL.cpp, check_gpu_single_tensor: "Tensors must be CUDA and dense").
+    device = next(iter(local.values())).device
     if stage > 0:  # gather; TP rank 0 sends to the replica's first rank
         codes = torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in mine], dtype=torch.int64)
         if tp_rank == 0:
-            dist.send(torch.tensor([len(mine)], dtype=torch.int64), receiver)
-            dist.send(codes, receiver)
+            dist.send(torch.tensor([len(mine)], dtype=torch.int64, device=device), receiver)
+            dist.send(codes.to(device), receiver)
         for p in mine:
             full = gathered(p)
             if tp_rank == 0:
@@ -126,14 +129,14 @@ def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[st
     by_name = {p.megatron: p for p in params}
     for s in range(1, pp):
         theirs = [p for p in params if p.megatron not in local and _stage_of(p, arch, pp) == s]
-        count = torch.zeros(1, dtype=torch.int64)
+        count = torch.zeros(1, dtype=torch.int64, device=device)
         dist.recv(count, pp_ranks[s])
         if int(count) != len(theirs):
             raise RuntimeError(f"export: stage {s} sends {int(count)} parameters, expected {len(theirs)}")
-        codes = torch.zeros(len(theirs), dtype=torch.int64)
+        codes = torch.zeros(len(theirs), dtype=torch.int64, device=device)
         dist.recv(codes, pp_ranks[s])
         for p, code in zip(theirs, codes.tolist()):
-            buf = torch.empty(by_name[p.megatron].shape(), dtype=_DTYPE_CODES[code])
+            buf = torch.empty(by_name[p.megatron].shape(), dtype=_DTYPE_CODES[code], device=device)
             dist.recv(buf, pp_ranks[s])
             yield from zip(p.hf, p.to_hf(buf))
 

@@ -1,16 +1,14 @@
-"""Token-budget packing of variable-length sequences into micro-batches, balanced across data-parallel ranks.
+"""Token-budget micro-batches of variable-length sequences, balanced across data-parallel ranks.
 
-Our micro-batches are *packed*: the sequences of one micro-batch are concatenated into a single row of T tokens
-(the Transformer Engine "THD" layout, or a block-diagonal causal mask on the local CPU path), so nothing is padded to
-the longest sequence. The only padding is rounding the packed length up to a multiple of ``pad_multiple`` (1 on CPU,
-e.g. 128 for TE/FP8 GEMMs on GPU), and, with context parallelism, each sequence to a multiple of 2·CP
-(pass the padded lengths, or use ``pack_sequences(seq_pad_multiple=...)``).
+A micro-batch's shape follows its ``Geometry`` (``data/geometry.py``): on Transformer Engine the sequences are
+*packed* into one row (the THD layout, ``pack_sequences``), on the local spec they form a length-bucketed, right-padded
+[B, L] batch (``pack_padded``). Either way the token budget bounds ``geometry.cost`` of each micro-batch: Σ slot
+lengths rounded up (THD), or B·L (padded).
 
 Padding waste, precisely (``padding_waste``)::
 
-    padded_tokens = Σ over micro-batches of round_up(Σ lengths in it, pad_multiple)   (an empty micro-batch counts
-                                                                                        as max(pad_multiple, 1): the
-                                                                                        dummy the actor runs)
+    padded_tokens = Σ over micro-batches of geometry.cost(lengths in it)   (an empty micro-batch counts as the dummy
+                                                                             the actor runs: geometry.dummy_tokens)
     waste         = padded_tokens / real_tokens − 1
 
 The pad-to-longest baseline (``pad_to_longest_waste``) pads every micro-batch of k sequences to k × its longest.
@@ -18,9 +16,9 @@ The pad-to-longest baseline (``pad_to_longest_waste``) pads every micro-batch of
 Empty micro-batches. ``balance_across_dp`` gives every DP rank the SAME number of micro-batches so that the
 collectives of the pipeline schedule and of the gradient reduction are entered equally often on every rank and never
 deadlock. A rank with less data first splits its multi-sequence micro-batches; only when none can be split does it get
-an empty one (``[]``). The actor must still run an empty micro-batch: ``pack_sequences([])`` returns one dummy
-sequence of ``pad_id`` tokens whose ``valid_mask`` is all False, so its forward/backward contributes exactly zero loss
-and zero gradient, and the global token count used as the loss denominator is unchanged.
+an empty one (``[]``). The actor must still run an empty micro-batch: a dummy sequence of pad tokens with no valid
+position, so its forward/backward contributes exactly zero loss and zero gradient, and the global token count used as
+the loss denominator is unchanged.
 """
 
 from __future__ import annotations
@@ -33,23 +31,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dapo.data.geometry import Geometry, round_up
+
 __all__ = [
     "BalanceStats",
     "PackedSequences",
+    "PaddedBatch",
     "balance_across_dp",
-    "block_causal_mask",
     "pack_by_token_budget",
+    "pack_padded",
     "pack_sequences",
+    "pad_batch",
     "pad_to_longest_waste",
     "padding_waste",
     "partition_karmarkar_karp",
     "round_up",
     "split_mini_batches",
 ]
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple if multiple > 1 else n
 
 
 def _check_lengths(lengths: Sequence[int], max_tokens: int | None = None) -> None:
@@ -95,6 +93,24 @@ def pack_by_token_budget(
             bins.append([])
         bins[b].append(i)
         bisect.insort(rooms, (room - n, b))
+    return [sorted(b) for b in bins]
+
+
+def pack_padded(lengths: Sequence[int], max_tokens: int, indices: Sequence[int] | None = None) -> list[list[int]]:
+    """Length-bucketed micro-batches for the padded [B, L] layout: B·L ≤ ``max_tokens``.
+
+    Sequences are taken longest first (ties by index); a micro-batch grows while (its size + 1) × its first (longest)
+    length fits the budget, so each holds sequences of similar length and pads little. Deterministic; each returned
+    list is sorted ascending; micro-batches are ordered by their longest sequence.
+    """
+    _check_lengths(lengths, max_tokens)
+    order = sorted(range(len(lengths)) if indices is None else indices, key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    for i in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
     return [sorted(b) for b in bins]
 
 
@@ -194,6 +210,13 @@ def _split_in_two(lengths: Sequence[int], mb: list[int]) -> tuple[list[int], lis
     return sorted(a), sorted(b)
 
 
+def _split_padded(lengths: Sequence[int], mb: list[int]) -> tuple[list[int], list[int]]:
+    """Split a padded micro-batch of ≥ 2 sequences into its longer and its shorter half (less padding than mixing)."""
+    order = sorted(mb, key=lambda j: (-lengths[j], j))
+    half = len(order) // 2
+    return sorted(order[:half]), sorted(order[half:])
+
+
 @dataclass
 class BalanceStats:
     """What ``balance_across_dp`` produced. Token loads are real (unpadded) tokens."""
@@ -208,7 +231,7 @@ class BalanceStats:
     padded_tokens: int
     padding_waste: float  # padded / real − 1 (see module docstring)
     pad_to_longest_waste: float  # the same micro-batches, each padded to k × its longest
-    pad_multiple: int = 1
+    layout: str = "thd"
     sequences_per_rank: list[int] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -221,23 +244,30 @@ class BalanceStats:
 
 
 def balance_across_dp(
-    lengths: Sequence[int], dp_size: int, max_tokens: int, pad_multiple: int = 1
+    lengths: Sequence[int], dp_size: int, max_tokens: int, geometry: Geometry | None = None
 ) -> tuple[list[list[list[int]]], BalanceStats]:
-    """Partition sequences over ``dp_size`` ranks with equal token loads, then pack each rank's share.
+    """Partition sequences over ``dp_size`` ranks with equal token loads, then form each rank's micro-batches.
 
     Returns ``(micro_batches, stats)``: ``micro_batches[rank][k]`` is the list of sequence indices of micro-batch k
     on ``rank``; every rank has the same number of micro-batches (see the module docstring for how counts are
     equalized and how the actor must run an empty micro-batch). Partitioning is Karmarkar–Karp with a move/swap
-    refinement (``partition_karmarkar_karp``); packing is best-fit decreasing (``pack_by_token_budget``).
-    ``pad_multiple`` only affects the reported padding waste.
+    refinement (``partition_karmarkar_karp``). ``geometry`` (default: packed, no padding) decides the layout: packed
+    micro-batches are best-fit decreasing over the slot lengths (``pack_by_token_budget``, against the budget rounded
+    down to the row multiple so the rounded row still fits), padded ones length-bucketed (``pack_padded``).
     """
     if dp_size < 1:
         raise ValueError(f"dp_size = {dp_size}: must be >= 1")
-    if pad_multiple < 1:
-        raise ValueError(f"pad_multiple = {pad_multiple}: must be >= 1")
+    geometry = geometry or Geometry("thd")
     _check_lengths(lengths, max_tokens)
     shares = partition_karmarkar_karp(lengths, dp_size)
-    per_rank = [pack_by_token_budget(lengths, max_tokens, indices=share) for share in shares]
+    if geometry.layout == "padded":
+        per_rank = [pack_padded(lengths, max_tokens, indices=share) for share in shares]
+        split = _split_padded
+    else:
+        slots = [round_up(n, geometry.slot_multiple) for n in lengths]
+        budget = max_tokens // geometry.total_multiple * geometry.total_multiple
+        per_rank = [pack_by_token_budget(slots, budget, indices=share) for share in shares]
+        split = _split_in_two
     target = max((len(mbs) for mbs in per_rank), default=0)
     splits = empties = 0
     for mbs in per_rank:
@@ -246,8 +276,7 @@ def balance_across_dp(
             candidates = [k for k, mb in enumerate(mbs) if len(mb) >= 2]
             if candidates:
                 k = max(candidates, key=lambda j: (sum(lengths[i] for i in mbs[j]), -j))
-                first, second = _split_in_two(lengths, mbs[k])
-                mbs[k : k + 1] = [first, second]
+                mbs[k : k + 1] = list(split(lengths, mbs[k]))
                 splits += 1
             else:
                 mbs.append([])
@@ -257,34 +286,34 @@ def balance_across_dp(
     imbalance = 1.0 if hi == 0 else (hi / lo if lo > 0 else float("inf"))
     flat = [mb for mbs in per_rank for mb in mbs]
     real = sum(lengths)
-    padded = _padded_tokens(lengths, flat, pad_multiple)
+    padded = _padded_tokens(lengths, flat, geometry)
     stats = BalanceStats(
         rank_tokens=loads,
         imbalance=imbalance,
         num_micro_batches=target,
         empty_micro_batches=empties,
         split_micro_batches=splits,
-        max_micro_batch_tokens=max((sum(lengths[i] for i in mb) for mb in flat), default=0),
+        max_micro_batch_tokens=max((geometry.cost([lengths[i] for i in mb]) for mb in flat), default=0),
         real_tokens=real,
         padded_tokens=padded,
         padding_waste=padded / real - 1 if real else 0.0,
         pad_to_longest_waste=pad_to_longest_waste(lengths, flat),
-        pad_multiple=pad_multiple,
+        layout=geometry.layout,
         sequences_per_rank=[len(s) for s in shares],
     )
     return per_rank, stats
 
 
-def _padded_tokens(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], pad_multiple: int) -> int:
-    return sum(
-        round_up(sum(lengths[i] for i in mb), pad_multiple) if mb else max(pad_multiple, 1) for mb in micro_batches
-    )
+def _padded_tokens(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], geometry: Geometry) -> int:
+    return sum(geometry.cost([lengths[i] for i in mb]) for mb in micro_batches)
 
 
-def padding_waste(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], pad_multiple: int = 1) -> float:
-    """Packed layout: Σ round_up(tokens of micro-batch, pad_multiple) / real tokens − 1 (empty = one dummy)."""
+def padding_waste(
+    lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], geometry: Geometry | None = None
+) -> float:
+    """Σ geometry.cost(micro-batch) / real tokens − 1 (an empty micro-batch costs its dummy); default: packed."""
     real = sum(lengths[i] for mb in micro_batches for i in mb)
-    return _padded_tokens(lengths, micro_batches, pad_multiple) / real - 1 if real else 0.0
+    return _padded_tokens(lengths, micro_batches, geometry or Geometry("thd")) / real - 1 if real else 0.0
 
 
 def pad_to_longest_waste(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> float:
@@ -308,23 +337,6 @@ def split_mini_batches(num_items: int, num_updates: int) -> list[range]:
 # Packed layout of one micro-batch
 
 
-def block_causal_mask(seq_lens: Sequence[int], total: int | None = None) -> torch.Tensor:
-    """[1, 1, T, T] bool, True = masked out (megatron-core's convention: ``attention_scores.masked_fill_(mask, …)``).
-
-    Token q may attend to token k iff both lie in the same segment and k ≤ q. Segments are consecutive runs of
-    ``seq_lens``; tokens past ``sum(seq_lens)`` up to ``total`` attend only to themselves (no fully masked rows).
-    """
-    used = sum(seq_lens)
-    total = used if total is None else total
-    if total < used:
-        raise ValueError(f"total = {total} is smaller than sum(seq_lens) = {used}")
-    seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(list(seq_lens), dtype=torch.long))
-    seg = torch.cat([seg, -1 - torch.arange(total - used)])  # each trailing token its own segment
-    pos = torch.arange(total)
-    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-    return (~allowed)[None, None]
-
-
 @dataclass
 class PackedSequences:
     """One packed micro-batch (THD layout with batch dimension 1).
@@ -334,8 +346,9 @@ class PackedSequences:
     ``cu_seqlens`` (int32, [n+1]) are the cumulative REAL lengths (TE ``cu_seqlens_q/kv``); ``cu_seqlens_padded``
     are the offsets of each sequence's slot in ``tokens`` (TE ``cu_seqlens_q/kv_padded``; equal to ``cu_seqlens``
     without padding). Sequence j occupies ``tokens[0, cu_seqlens_padded[j] : cu_seqlens_padded[j] + seq_lens[j]]``.
-    Padding tokens have ``valid_mask`` False. An empty micro-batch is one dummy sequence of pad tokens (``num_sequences``
-    0, ``valid_mask`` all False) so that the actor can run it like any other and add zero loss.
+    ``max_seqlen`` is the longest slot (``Geometry.slots``). Padding tokens have ``valid_mask`` False. An empty
+    micro-batch is one dummy sequence of pad tokens (``num_sequences`` 0, ``valid_mask`` all False) so that the actor
+    can run it like any other and add zero loss.
     """
 
     tokens: torch.Tensor
@@ -356,12 +369,10 @@ class PackedSequences:
     def num_real_tokens(self) -> int:
         return sum(self.seq_lens) if self.num_sequences else 0
 
-    def attention_mask(self) -> torch.Tensor:
-        """Block-diagonal causal mask [1, 1, T, T], True = masked (for the local, non-TE attention path)."""
-        segs: list[int] = []
-        for n, slot in zip(self.seq_lens, self.slot_lens):
-            segs += [n] + [1] * (slot - n)  # padding tokens of a slot attend only to themselves
-        return block_causal_mask(segs, self.total_tokens)
+    @property
+    def offsets(self) -> list[int]:
+        """Where each sequence starts in the flattened [T] row."""
+        return self.cu_seqlens_padded[:-1].tolist()
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-token tensor [1, T, ...] (or [T, ...]) back into one tensor per real sequence."""
@@ -371,32 +382,23 @@ class PackedSequences:
             raise ValueError(f"values has {flat.shape[0]} tokens, the packed micro-batch has {self.total_tokens}")
         if not self.num_sequences:
             return []
-        offsets = self.cu_seqlens_padded.tolist()
-        return [flat[o : o + n] for o, n in zip(offsets, self.seq_lens)]
+        return [flat[o : o + n] for o, n in zip(self.offsets, self.seq_lens)]
 
 
 def pack_sequences(
-    seqs: Sequence[torch.Tensor], *, pad_id: int = 0, seq_pad_multiple: int = 1, pad_multiple: int = 1
+    seqs: Sequence[torch.Tensor], geometry: Geometry | None = None, *, pad_id: int = 0
 ) -> PackedSequences:
-    """Concatenate 1-D token tensors into one packed row.
-
-    ``seq_pad_multiple``: pad each sequence's slot to a multiple (context parallel needs 2·CP); ``pad_multiple``:
-    pad the total to a multiple (TE/FP8 GEMMs); the extra tokens extend the last slot. ``seqs == []`` gives the
-    dummy micro-batch described in the class docstring.
-    """
-    if seq_pad_multiple < 1 or pad_multiple < 1:
-        raise ValueError(f"seq_pad_multiple = {seq_pad_multiple}, pad_multiple = {pad_multiple}: must be >= 1")
+    """Concatenate 1-D token tensors into one packed row, slots and total padded as ``geometry`` requires (default:
+    no padding). ``seqs == []`` gives the dummy micro-batch described in the class docstring."""
+    geometry = geometry or Geometry("thd")
     for j, s in enumerate(seqs):
         if s.dim() != 1 or s.numel() == 0:
             raise ValueError(f"seqs[{j}] has shape {tuple(s.shape)}: expected a non-empty 1-D tensor of token ids")
     empty = len(seqs) == 0
     if empty:
-        dummy = max(pad_multiple, seq_pad_multiple, 1)
-        seqs = [torch.full((dummy,), pad_id, dtype=torch.long)]
+        seqs = [torch.full((geometry.dummy_tokens,), pad_id, dtype=torch.long)]
     seq_lens = [int(s.numel()) for s in seqs]
-    slot_lens = [round_up(n, seq_pad_multiple) for n in seq_lens]
-    total = round_up(sum(slot_lens), pad_multiple)
-    slot_lens[-1] += total - sum(slot_lens)
+    slot_lens, total, max_seqlen = geometry.slots(seq_lens)
     tokens = torch.full((total,), pad_id, dtype=torch.long)
     positions = torch.empty(total, dtype=torch.long)
     valid_mask = torch.zeros(total, dtype=torch.bool)
@@ -415,6 +417,53 @@ def pack_sequences(
         cu_seqlens_padded=torch.cat([zero, torch.tensor(slot_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)]),
         seq_lens=seq_lens,
         slot_lens=slot_lens,
-        max_seqlen=max(seq_lens),
+        max_seqlen=max_seqlen,
         num_sequences=0 if empty else len(seq_lens),
     )
+
+
+@dataclass
+class PaddedBatch:
+    """One padded micro-batch: [B, L] right-padded ``tokens``; row j holds sequence j in ``tokens[j, :seq_lens[j]]``.
+
+    With right padding and a causal mask no real token ever attends to a pad, so one shared [1, 1, L, L] causal mask
+    serves every row. An empty micro-batch is one pad token with ``num_sequences`` 0."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    valid_mask: torch.Tensor
+    seq_lens: list[int]
+    num_sequences: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each sequence starts in the flattened [B·L] batch."""
+        return [j * self.tokens.shape[1] for j in range(len(self.seq_lens))]
+
+    def causal_mask(self) -> torch.Tensor:
+        """[1, 1, L, L] bool, True = masked out (megatron-core's ``attention_scores.masked_fill_(mask, …)``)."""
+        n = self.tokens.shape[1]
+        return torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
+
+
+def pad_batch(seqs: Sequence[torch.Tensor], *, pad_id: int = 0) -> PaddedBatch:
+    """Right-pad 1-D token tensors to the longest into a [B, L] batch (``seqs == []``: the one-token dummy)."""
+    for j, s in enumerate(seqs):
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"seqs[{j}] has shape {tuple(s.shape)}: expected a non-empty 1-D tensor of token ids")
+    empty = len(seqs) == 0
+    if empty:
+        seqs = [torch.full((1,), pad_id, dtype=torch.long)]
+    seq_lens = [int(s.numel()) for s in seqs]
+    width = max(seq_lens)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for j, (s, n) in enumerate(zip(seqs, seq_lens)):
+        tokens[j, :n] = s.to(torch.long)
+        valid[j, :n] = not empty
+    positions = torch.arange(width).expand(len(seqs), width).contiguous()
+    return PaddedBatch(tokens, positions, valid, seq_lens, 0 if empty else len(seqs))

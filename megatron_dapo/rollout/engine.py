@@ -6,9 +6,12 @@
         if enough: engine.abort(); break                    # drop the surplus still in flight
 
 Logprob convention (both engines): ``Sample.logprobs[i]`` is the log-probability of ``response_ids[i]`` under the
-UNMODIFIED next-token distribution, ``log_softmax(logits)`` at temperature 1 over the full vocabulary, whatever
-temperature / top-p / top-k the token was sampled with. That is what the actor recomputes as the DAPO "old"
-logprobs, so the gap between the two (``logprob_gap``) measures rollout/training numerical mismatch only.
+distribution the token was sampled from, ``log_softmax(logits / T)`` at the sampling temperature T over the full
+vocabulary, before top-p / top-k truncation (T = 1 for greedy decoding). The actor computes the same (its logits
+divided by ``rollout.sampling.temperature``) for π_old and π_θ, so the importance ratios are of the sampling policy
+and the gap between the two (``logprob_gap``) measures rollout/training numerical mismatch only. SGLang returns
+exactly this when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is unset or 0 (sglang 0.5.23 srt/layers/sampler.py:275 divides
+the logits by T before the log-softmax it returns; with the variable set to 1 it returns the untempered one, :231-237).
 A stop or EOS token that ends a sample IS included in ``response_ids`` (and has a logprob): the policy must learn
 to emit it.
 """

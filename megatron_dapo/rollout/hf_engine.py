@@ -320,13 +320,16 @@ def load_gguf_model(path: str | Path) -> torch.nn.Module:
 def sample_tokens(
     logits: torch.Tensor, sp: SamplingParams, generators: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens, logprob of each token under log_softmax(logits) at T=1)."""
+    """Sample one token per row; return (tokens, logprob of each token under log_softmax(logits / T)), the sampling
+    distribution before top-k / top-p (T = 1 when greedy): the convention of ``engine.py``."""
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
     if sp.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
     else:
-        probs = torch.softmax(filter_logits(logits / sp.temperature, sp.top_k, sp.top_p), dim=-1)
+        scaled = logits / sp.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = torch.softmax(filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
         u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
         cdf = probs.double().cumsum(dim=-1)
         tok = (cdf < (u * cdf[:, -1]).unsqueeze(-1)).sum(dim=-1)

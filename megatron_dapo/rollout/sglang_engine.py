@@ -13,8 +13,8 @@
   answers 404 for weight sync). A request that fails because a server died is re-issued after the engine, in the
   caller's thread, restarted the dead server (or waited for an attached one) and called ``resync(dead_servers)``
   to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests.
-* Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so ``output_token_logprobs`` are the raw T=1
-  log-softmax, the convention of ``engine.py``.
+* Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` so ``output_token_logprobs`` are the log-softmax of
+  the temperature-scaled logits, the convention of ``engine.py``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class SGLangServer:
         self.dtype = DTYPE_NAMES.get(dtype, dtype) if dtype else None
         self.extra_args = list(extra_args)
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
-        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **(env or {})}
+        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **(env or {})}  # tempered logprobs (engine.py)
         self.attached = url is not None
         if port is None and not self.attached:
             from megatron_dapo.actor.dist import free_port  # lazily: this module's HTTP side needs no torch

@@ -78,13 +78,18 @@ def main():
         actor.save(save)
         result["logprobs"] = actor.compute_logprobs(seqs)
     elif scenario == "logprobs":
-        result["logprobs"] = actor.compute_logprobs(seqs)
+        result["logprobs"], result["entropy"] = actor.compute_logprobs(seqs, with_entropy=True)
     elif scenario == "train":
         result["metrics"] = train_once(actor, seqs)
         result["params"] = full_params(actor)
         result["logprobs"] = actor.compute_logprobs(seqs)
         if save:
             actor.save(save, extra={"cursor": 7})
+    elif scenario == "train_reuse":  # no old logprobs given: the first mini-batch takes them from its forward
+        result["metrics"] = actor.train_step(seqs)
+        result["old_logprobs"] = [s.old_logprobs for s in seqs]
+        result["entropy"] = [s.entropy for s in seqs]
+        result["params"] = full_params(actor)
     elif scenario in ("continue", "two_steps"):  # two_steps: step, save, step; continue: (load) step
         if scenario == "two_steps":
             train_once(actor, seqs)

@@ -62,6 +62,16 @@ def main(out: str, hf_dir: str) -> None:
     actor_lp = actor.compute_logprobs(seqs)
     gaps = torch.cat([(torch.tensor(s.logprobs) - a).abs() for s, a in zip(samples, actor_lp)])
     result["gap_mean"], result["gap_max"] = float(gaps.mean()), float(gaps.max())
+    # 1b) at T = 0.7 both sides are of softmax(logits / T): the actor (vocab-parallel, TP = 2) equals the engine
+    hot = SamplingParams(temperature=0.7, max_new_tokens=10, seed=4)
+    hot_samples = broadcast(engine.generate(prompts, hot, n=2) if engine else None)
+    hot_seqs = [Sequence(torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids)) for s in hot_samples]
+    actor.temperature = 0.7
+    hot_lp = actor.compute_logprobs(hot_seqs)
+    actor.temperature = 1.0
+    untempered = actor.compute_logprobs(hot_seqs)
+    result["hot_gap"] = max(float((torch.tensor(s.logprobs) - a).abs().max()) for s, a in zip(hot_samples, hot_lp))
+    result["hot_vs_t1"] = max(float((torch.tensor(s.logprobs) - a).abs().max()) for s, a in zip(hot_samples, untempered))
     # 2) a train step, a sync, and the engine vs a fresh engine loaded from the exported HF checkpoint
     for s, lp in zip(seqs, actor_lp):
         s.old_logprobs = lp

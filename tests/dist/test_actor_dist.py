@@ -75,6 +75,26 @@ def test_first_minibatch_ratio_is_one(base):
     assert m["train/clip_frac_high"] == 0.0 and m["train/clip_frac_low"] == 0.0
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_old_logprobs_from_the_first_forward_equal_the_recomputed_pass(base, updates):
+    """train_step without old logprobs skips the pass for the first mini-batch (π_old = current policy there) and
+    computes the rest before any update: the step equals the one with every old logprob recomputed first."""
+    mini = f"train.mini_batch_prompts={4 // updates}"
+    run_torchrun(1, WORKER, "train", base / f"recomputed{updates}.pt", mini, ADAM_EPS, f"load={base / 'ckpt0'}")
+    run_torchrun(1, WORKER, "train_reuse", base / f"reused{updates}.pt", mini, ADAM_EPS, f"load={base / 'ckpt0'}")
+    run_torchrun(1, WORKER, "logprobs", base / "lp_init.pt", f"load={base / 'ckpt0'}")
+    a, b = torch.load(base / f"recomputed{updates}.pt"), torch.load(base / f"reused{updates}.pt")
+    for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "train/ratio_mean", "train/clip_frac_low"):
+        assert b["metrics"][key] == pytest.approx(a["metrics"][key], abs=1e-6), key
+    for name, p in a["params"].items():  # the later mini-batches' π_old come from a pass over other micro-batches
+        torch.testing.assert_close(b["params"][name], p, rtol=0, atol=2e-6, msg=name)  # (fp32 summation order)
+    ref = torch.load(base / "lp_init.pt")  # π_old = the policy before the step, for every sequence
+    _close(ref["logprobs"], b["old_logprobs"], 1e-6)
+    _close(ref["entropy"], b["entropy"], 1e-6)
+    # the separate pass ran only for the later mini-batches: none with one update, half of the 8 with two
+    assert b["metrics"]["train/old_logprob_pass_seqs"] == (0 if updates == 1 else 4)
+
+
 def test_save_tp2_load_tp1_equal_logprobs(base):
     run_torchrun(2, WORKER, "train", base / "tp2_train.pt", "parallel.tp=2", f"load={base / 'ckpt0'}",
                  f"save={base / 'ckpt_tp2'}")

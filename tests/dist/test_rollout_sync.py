@@ -16,6 +16,7 @@ def test_tp2_sync_fidelity_and_export_equivalence(tmp_path):
     run_torchrun(2, Path(__file__).with_name("rollout_sync_worker.py"), out, tmp_path / "hf")
     r = torch.load(out)
     assert r["gap_mean"] <= 1e-4 and r["gap_max"] <= 1e-3, r
+    assert r["hot_gap"] <= 1e-4 < 1e-2 < r["hot_vs_t1"], r  # temperature-scaled on both sides, and it matters
     assert r["greedy_equal"] and r["sampled_equal"], r
     # the synced engine holds bit for bit what the exported checkpoint holds (the two engines differ only in their
     # attention implementation, from_config vs from_pretrained: fp32 rounding)

@@ -301,3 +301,61 @@ def test_gradient_at_ratio_one_is_the_full_policy_gradient():
     loss.backward()
     expected = torch.where(mask, -adv.unsqueeze(-1) / mask.sum(), 0.0)
     torch.testing.assert_close(lp.grad, expected, rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# truncated importance sampling (rollout/train mismatch)
+
+
+def _tis_reference(lp, old, rollout, adv, mask, eps_low, eps_high, clip_c, cap):
+    """Plain Python, token by token: w = min(exp(old - rollout), cap) times the dual-clipped surrogate; token-mean."""
+    total, count = 0.0, 0
+    for i in range(len(lp)):
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                continue
+            r = math.exp(lp[i][t] - old[i][t])
+            a = adv[i]
+            pg = max(-a * r, -a * min(max(r, 1 - eps_low), 1 + eps_high))
+            if a < 0:
+                pg = min(pg, -a * clip_c)
+            total += pg * min(math.exp(old[i][t] - rollout[i][t]), cap)
+            count += 1
+    return total / count
+
+
+def test_tis_matches_a_plain_python_reference():
+    g = torch.Generator().manual_seed(3)
+    lp = (-torch.rand(3, 6, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = lp.detach() + 0.3 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    rollout = old + 0.8 * torch.randn(3, 6, generator=g, dtype=torch.float64)  # some weights above the cap 2.0
+    adv = torch.tensor([1.5, -0.7, -2.0], dtype=torch.float64)
+    mask = torch.rand(3, 6, generator=g) > 0.2
+    loss, m = policy_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28, clip_c=3.0, rollout_logprobs=rollout,
+                          tis_cap=2.0)  # fmt: skip
+    ref = _tis_reference(lp.tolist(), old.tolist(), rollout.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 3.0, 2.0)
+    assert float(loss) == pytest.approx(ref, rel=1e-12)
+    w = (old - rollout).exp()
+    assert int(m["tis_capped_tokens"]) == int(((w > 2.0) & mask).sum()) > 0
+    assert float(m["tis_max"]) == pytest.approx(float(w[mask].max()))
+    assert float(m["tis_mean"]) == pytest.approx(float(w.clamp(max=2.0)[mask].mean()))
+    # the weight is a constant: the gradient is the weighted surrogate's, nothing flows through it
+    loss.backward()
+    lp2 = lp.detach().clone().requires_grad_()
+    plain, _ = policy_loss(lp2, old, adv, mask, eps_low=0.2, eps_high=0.28, clip_c=3.0, agg="token-mean")
+    assert not torch.allclose(lp.grad, torch.autograd.grad(plain, lp2)[0])  # TIS changes the update
+
+
+def test_tis_with_rollout_equal_to_old_is_no_correction():
+    g = torch.Generator().manual_seed(4)
+    lp = (-torch.rand(4, 5, generator=g) * 2).requires_grad_()
+    old = lp.detach() + 0.2 * torch.randn(4, 5, generator=g)
+    adv, mask = torch.randn(4, generator=g), torch.rand(4, 5, generator=g) > 0.3
+    with_tis, m = policy_loss(lp, old, adv, mask, rollout_logprobs=old.clone(), tis_cap=2.0)
+    (grad_tis,) = torch.autograd.grad(with_tis, lp)
+    without, _ = policy_loss(lp, old, adv, mask)
+    (grad_plain,) = torch.autograd.grad(without, lp)
+    assert torch.equal(with_tis, without) and torch.equal(grad_tis, grad_plain)
+    assert float(m["tis_mean"]) == 1.0 and int(m["tis_capped_tokens"]) == 0
+    with pytest.raises(ValueError, match="go together"):
+        policy_loss(lp, old, adv, mask, rollout_logprobs=old)

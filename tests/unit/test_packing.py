@@ -1,4 +1,4 @@
-"""Token-budget packing, DP balancing and the packed (THD / block-diagonal) layout."""
+"""Token-budget micro-batches, DP balancing, and the two layouts: packed THD rows and padded [B, L] batches."""
 
 import itertools
 import random
@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_dapo.data.geometry import Geometry
 from megatron_dapo.data.packing import (
     balance_across_dp,
-    block_causal_mask,
     pack_by_token_budget,
+    pack_padded,
     pack_sequences,
+    pad_batch,
     pad_to_longest_waste,
     padding_waste,
     partition_karmarkar_karp,
@@ -100,7 +102,7 @@ def test_balance_dapo_mix(n, dp):
     lengths = dapo_lengths(n, seed=n + dp)
     assert 4000 < np.mean(lengths) - 1074 < 5000 and max(lengths) > 15000  # the mix is what it claims to be
     budget = 2048 + 20480
-    ranks, stats = balance_across_dp(lengths, dp, budget, pad_multiple=128)
+    ranks, stats = balance_across_dp(lengths, dp, budget, Geometry("thd", total_multiple=128))
     assert len(ranks) == dp
     check_cover([mb for r in ranks for mb in r], n)
     assert len({len(r) for r in ranks}) == 1, "equal micro-batch counts on every rank"
@@ -156,11 +158,13 @@ def test_karmarkar_karp_small_exact():
 def test_padding_waste_by_hand():
     lengths = [3, 5, 8]
     mbs = [[0, 1], [2]]
-    assert padding_waste(lengths, mbs, 1) == 0.0
-    assert padding_waste(lengths, mbs, 4) == 0.0  # 8 and 8
-    assert padding_waste(lengths, mbs, 5) == pytest.approx(20 / 16 - 1)  # 10 + 10
+    assert padding_waste(lengths, mbs) == 0.0
+    assert padding_waste(lengths, mbs, Geometry("thd", total_multiple=4)) == 0.0  # 8 and 8
+    assert padding_waste(lengths, mbs, Geometry("thd", total_multiple=5)) == pytest.approx(20 / 16 - 1)  # 10 + 10
     assert pad_to_longest_waste(lengths, mbs) == pytest.approx((2 * 5 + 8) / 16 - 1)
-    assert padding_waste(lengths, mbs + [[]], 4) == pytest.approx(20 / 16 - 1)  # an empty one runs a 4-token dummy
+    four = Geometry("thd", total_multiple=4)
+    assert padding_waste(lengths, mbs + [[]], four) == pytest.approx(20 / 16 - 1)  # an empty one runs a 4-token dummy
+    assert padding_waste(lengths, mbs, Geometry("padded")) == pytest.approx((2 * 5 + 8) / 16 - 1)
 
 
 def test_split_mini_batches():
@@ -175,20 +179,6 @@ def test_split_mini_batches():
 # packed layout
 
 
-def _reference_mask(seq_lens, total):
-    """By hand: token q sees k iff same sequence and k <= q; trailing pads see only themselves. True = masked."""
-    owner = []
-    for j, n in enumerate(seq_lens):
-        owner += [j] * n
-    owner += [f"pad{t}" for t in range(total - len(owner))]
-    m = torch.ones(total, total, dtype=torch.bool)
-    for qi in range(total):
-        for ki in range(qi + 1):
-            if owner[qi] == owner[ki]:
-                m[qi, ki] = False
-    return m[None, None]
-
-
 def test_pack_sequences_by_hand():
     a, b, c = torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([1, 2, 3, 4])
     p = pack_sequences([a, b, c])
@@ -197,66 +187,86 @@ def test_pack_sequences_by_hand():
     assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, 3, 5, 9]
     assert p.cu_seqlens_padded.tolist() == [0, 3, 5, 9] and p.max_seqlen == 4
     assert p.valid_mask.all() and p.num_real_tokens == 9
-    mask = p.attention_mask()
-    assert mask.shape == (1, 1, 9, 9) and mask.dtype == torch.bool
-    assert torch.equal(mask, _reference_mask([3, 2, 4], 9))
     assert [t.tolist() for t in p.unpack(p.tokens)] == [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
 
 
 def test_pack_sequences_with_padding():
     a, b = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
-    p = pack_sequences([a, b], pad_id=0, seq_pad_multiple=2, pad_multiple=8)
+    p = pack_sequences([a, b], Geometry("thd", slot_multiple=2, total_multiple=8), pad_id=0)
     # slots: 3 -> 4, 2 -> 2 (total 6), then the total is padded to 8 by extending the last slot
     assert p.tokens.tolist() == [[5, 6, 7, 0, 8, 9, 0, 0]]
     assert p.cu_seqlens.tolist() == [0, 3, 5]
     assert p.cu_seqlens_padded.tolist() == [0, 4, 8]
+    assert p.max_seqlen == 4  # the longest padded slot, not the longest sequence (3)
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert p.valid_mask.tolist() == [[True, True, True, False, True, True, False, False]]
-    expected = _reference_mask([3, 2], 8)  # pads masked from everything but themselves
-    reals = [0, 1, 2, 4, 5]
-    got = p.attention_mask()
-    assert torch.equal(got[0, 0][reals][:, reals], expected[0, 0][:5, :5])
-    assert not got[0, 0].diagonal().any(), "no fully masked rows"
-    assert got[0, 0, 3].sum() == 7 and got[0, 0, :, 3].sum() == 7, "a pad neither sees nor is seen by others"
     assert [t.tolist() for t in p.unpack(p.tokens[0])] == [[5, 6, 7], [8, 9]]
 
 
 def test_empty_micro_batch_is_a_zero_loss_dummy():
-    p = pack_sequences([], pad_id=3, pad_multiple=128)
+    p = pack_sequences([], Geometry("thd", total_multiple=128), pad_id=3)
     assert p.num_sequences == 0 and p.num_real_tokens == 0 and p.total_tokens == 128
     assert (p.tokens == 3).all() and not p.valid_mask.any()
     assert p.cu_seqlens.tolist() == [0, 128] and p.unpack(p.tokens) == []
     assert pack_sequences([]).total_tokens == 1
+    d = pad_batch([], pad_id=3)
+    assert d.tokens.tolist() == [[3]] and d.num_sequences == 0 and not d.valid_mask.any()
 
 
-def test_block_mask_matches_separate_causal_attention():
-    """SDPA on the packed row with our mask (inverted: SDPA's True = attend) equals per-sequence causal attention."""
+# ----------------------------------------------------------------------------------------------------------------------
+# padded layout
+
+
+def test_pad_batch_by_hand():
+    p = pad_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], pad_id=0)
+    assert p.tokens.tolist() == [[5, 6, 7], [8, 9, 0]] and p.offsets == [0, 3]
+    assert p.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert p.valid_mask.tolist() == [[True, True, True], [True, True, False]]
+    assert p.causal_mask()[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_padded_rows_under_one_causal_mask_equal_separate_attention():
+    """SDPA over right-padded rows with the shared causal mask (inverted: SDPA's True = attend) gives each real
+    token exactly what causal attention over its own sequence gives."""
     torch.manual_seed(0)
     lens = [5, 1, 7, 3]
-    T, d = sum(lens), 8
-    q, k, v = (torch.randn(1, 2, T, d) for _ in range(3))
-    mask = block_causal_mask(lens)
-    packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
-    outs, o = [], 0
-    for n in lens:
-        s = slice(o, o + n)
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True)
+    p = pad_batch([torch.arange(n) for n in lens])
+    L, d = p.tokens.shape[1], 8
+    q, k, v = (torch.randn(len(lens), 2, L, d) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~p.causal_mask())
+    for j, n in enumerate(lens):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[j : j + 1, :, :n], k[j : j + 1, :, :n], v[j : j + 1, :, :n], is_causal=True
         )
-        o += n
-    torch.testing.assert_close(packed, torch.cat(outs, dim=2))
+        torch.testing.assert_close(out[j : j + 1, :, :n], alone)
 
 
 def test_mask_convention_is_megatrons():
-    """megatron-core fills scores where the mask is True (masked out): our mask must hide future/other tokens."""
+    """megatron-core fills scores where the mask is True (masked out): our mask must hide the future."""
     from megatron.core.transformer.utils import attention_mask_func
 
-    mask = block_causal_mask([2, 2])
-    scores = attention_mask_func(torch.zeros(1, 1, 4, 4), mask)
-    hidden = scores == -10000.0
-    assert hidden[0, 0].tolist() == [
-        [False, True, True, True],
-        [False, False, True, True],
-        [True, True, False, True],
-        [True, True, False, False],
-    ]
+    mask = pad_batch([torch.arange(3)]).causal_mask()
+    hidden = attention_mask_func(torch.zeros(1, 1, 3, 3), mask) == -10000.0
+    assert hidden[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 64), (1, 256), (2, 1000)])
+def test_pack_padded_respects_budget_buckets_by_length_and_covers(seed, budget):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, budget // 4) for _ in range(400)]
+    mbs = pack_padded(lengths, budget)
+    check_cover(mbs, len(lengths))
+    assert all(len(mb) * max(lengths[i] for i in mb) <= budget for mb in mbs)
+    # length-bucketed: micro-batches hold consecutive lengths of the sorted order, so they never interleave
+    spans = sorted((min(lengths[i] for i in mb), max(lengths[i] for i in mb)) for mb in mbs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    # and little is padded on a realistic mix (the dense [T, T] packed alternative does T / L times the work)
+    assert padding_waste(lengths, mbs, Geometry("padded")) < 0.15
+
+
+def test_padded_balance_equalizes_counts():
+    lengths = [12, 11, 10, 3, 2, 2, 2, 1]
+    ranks, stats = balance_across_dp(lengths, 2, 24, Geometry("padded"))
+    check_cover([mb for r in ranks for mb in r], len(lengths))
+    assert len({len(r) for r in ranks}) == 1 and stats.layout == "padded"
+    assert all(len(mb) * max(lengths[i] for i in mb) <= 24 for r in ranks for mb in r if mb)

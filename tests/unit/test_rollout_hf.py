@@ -59,10 +59,10 @@ def make_engine(tok=None, family="qwen2", tie=False, seed=0, **kw) -> tuple[HFEn
     return engine, weights
 
 
-def teacher_forced_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    lp = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
     return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
@@ -81,11 +81,16 @@ def test_greedy_equals_transformers_generate(engine):
     assert len({tuple(s.response_ids) for s in out}) == len(PROMPTS), "degenerate model: the test would prove little"
 
 
-def test_logprobs_equal_teacher_forced_forward_at_t1(engine):
+def test_logprobs_are_of_the_sampling_temperature_before_truncation(engine):
     sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=10, seed=5)
     out = engine.generate(PROMPTS, sp, n=3)
     assert [(s.prompt_index, s.sample_index) for s in out] == [(p, j) for p in range(4) for j in range(3)]
     for s in out:
+        ref = teacher_forced_logprobs(engine.model, s.prompt_ids, s.response_ids, temperature=0.8)
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)
+        untempered = teacher_forced_logprobs(engine.model, s.prompt_ids, s.response_ids)
+        assert (torch.tensor(s.logprobs) - untempered).abs().max() > 1e-3  # T = 0.8 is not T = 1
+    for s in engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6), n=1):  # greedy: T = 1
         ref = teacher_forced_logprobs(engine.model, s.prompt_ids, s.response_ids)
         torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-5, rtol=0)
 
