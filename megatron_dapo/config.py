@@ -79,7 +79,12 @@ class ParallelConfig:
     cp: int = 1  # context parallel: GPU + TE only
     sequence_parallel: bool = False  # GPU + TE only
     distributed_optimizer: bool | None = None  # None = on for GPU, off on CPU
-    max_tokens_per_micro_batch: int = 4096  # token budget of one packed micro-batch (per CP group)
+    # token budget of one micro-batch (per CP group); None = the largest the memory model fits in this machine's
+    # memory (memory.py; capped at max_auto_micro_batch_tokens); a value predicted not to fit is refused
+    max_tokens_per_micro_batch: int | None = None
+    max_auto_micro_batch_tokens: int = 8192
+    # local spec: a group's responses share one copy of their prompt in a row where that saves FLOPs (exact)
+    share_prompts: bool = True
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the vocab-parallel log-softmax
 
 
@@ -474,7 +479,7 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     for key in ("tp", "pp", "cp"):
         if getattr(p, key) < 1:
             fail(f"parallel.{key}", getattr(p, key), "must be >= 1")
-    if p.max_tokens_per_micro_batch < cfg.max_seq_len:
+    if p.max_tokens_per_micro_batch is not None and p.max_tokens_per_micro_batch < cfg.max_seq_len:
         fail(
             "parallel.max_tokens_per_micro_batch",
             p.max_tokens_per_micro_batch,

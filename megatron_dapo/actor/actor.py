@@ -8,6 +8,7 @@ DP work the same way; the loss uses the GLOBAL token denominator of the mini-bat
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -28,9 +29,10 @@ from megatron_dapo.algo.loss import (
     policy_loss,
     sft_loss,
 )
-from megatron_dapo.config import ArchConfig, DapoConfig, load_arch, padded_vocab_size
+from megatron_dapo.config import ArchConfig, ConfigError, DapoConfig, load_arch, padded_vocab_size
 from megatron_dapo.data.geometry import micro_batch_geometry
-from megatron_dapo.data.packing import balance_across_dp, pack_sequences, pad_batch, split_mini_batches
+from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
+from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
 
 
 @dataclass
@@ -48,6 +50,56 @@ class Sequence:
     @property
     def response_len(self) -> int:
         return int(self.tokens.numel()) - self.prompt_len
+
+
+def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) -> tuple[int, str]:
+    """(tokens per micro-batch, a line saying why): ``parallel.max_tokens_per_micro_batch``, or when None the largest
+    budget whose predicted peak (``memory.actor_memory``) fits this rank's share of the memory; a given budget that is
+    predicted not to fit is refused with the prediction. CPU: available RAM ÷ local ranks; GPU: 90% of the device."""
+    import os
+
+    from megatron_dapo.memory import GiB, actor_memory, fit_micro_batch_tokens
+
+    p = cfg.parallel
+    if torch.cuda.is_available():
+        available = 0.9 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        where = "of the GPU"
+    else:
+        import psutil
+
+        available = 0.85 * psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        where = "of the available RAM for this rank"
+    in_process_engine = cfg.rollout.engine == "hf" and not torch.cuda.is_available()
+    kw = dict(
+        dtype_bytes=DTYPES[cfg.model.dtype].itemsize, tp=p.tp, pp=p.pp, dp=dp, layout=layout,
+        recompute=cfg.model.recompute or "none", distributed_optimizer=bool(p.distributed_optimizer),
+        logprob_chunk_tokens=p.logprob_chunk_tokens, engine_bytes_per_param=4 if in_process_engine else 0,
+    )  # fmt: skip
+    fit = fit_micro_batch_tokens(arch, cfg.max_seq_len, available, **kw)
+    tokens = p.max_tokens_per_micro_batch
+    if tokens is None:
+        tokens = min(fit, p.max_auto_micro_batch_tokens) // 64 * 64
+        if tokens < cfg.max_seq_len:
+            need = actor_memory(arch, cfg.max_seq_len, cfg.max_seq_len, **kw)
+            raise ConfigError(
+                f"parallel.max_tokens_per_micro_batch: not even one sequence of {cfg.max_seq_len} tokens fits: "
+                f"predicted peak {need.total / GiB:.1f} GiB ({need.explain()}) > {available / GiB:.1f} GiB {where}"
+            )
+        how = "chosen"
+    else:
+        peak = actor_memory(arch, tokens, cfg.max_seq_len, **kw)
+        if peak.total > available:
+            raise ConfigError(
+                f"parallel.max_tokens_per_micro_batch = {tokens}: predicted peak {peak.total / GiB:.1f} GiB "
+                f"({peak.explain()}) > {available / GiB:.1f} GiB {where}; at most {fit} tokens fit "
+                "(or unset it to choose automatically)"
+            )
+        how = "set"
+    peak = actor_memory(arch, tokens, cfg.max_seq_len, **kw)
+    return tokens, (
+        f"actor: micro-batch budget {tokens} tokens ({how}; predicted peak {peak.total / GiB:.1f} GiB of "
+        f"{available / GiB:.1f} GiB {where})"
+    )
 
 
 def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[int], total: int) -> dict:
@@ -132,6 +184,9 @@ class MegatronActor:
         )
         # logprobs of the distribution the rollout samples from: softmax(logits / T) (greedy: T = 1)
         self.temperature = cfg.rollout.sampling.temperature or 1.0
+        self.micro_batch_tokens, budget_note = micro_batch_budget(cfg, self.arch, self.geometry.layout, self.dp_size)
+        if dist.get_rank() == 0:
+            print(budget_note, file=sys.stderr, flush=True)
         head = _sequence_parallel_head if p.sequence_parallel else _passthrough_head
         for m in self.model:
             if m.module.post_process:
@@ -196,51 +251,87 @@ class MegatronActor:
 
     def _micro_batches(self, seqs: list[Sequence]) -> list[dict]:
         """This DP rank's micro-batches (equal count on every DP rank; empty ones carry a dummy token), shaped by
-        ``self.geometry``: packed THD rows on Transformer Engine, length-bucketed padded [B, L] batches otherwise."""
-        lengths = [int(s.tokens.numel()) for s in seqs]
-        per_rank, self.last_balance = balance_across_dp(
-            lengths, self.dp_size, self.cfg.parallel.max_tokens_per_micro_batch, self.geometry
-        )
-        return [self._micro_batch([seqs[i] for i in idx], idx) for idx in per_rank[self.dp_rank]]
-
-    def _micro_batch(self, seqs: list[Sequence], indices: list[int]) -> dict:
-        """Tokens plus per-POSITION arrays of the same shape: position t carries the label t+1 of its sequence and,
-        where that label is a response token, its old and rollout logprobs, advantage, loss mask, sequence and
-        response offset. Keeping every array per position lets context parallelism slice them all with the tokens
-        (megatron-core's THD split)."""
-        tokens = [s.tokens for s in seqs]
-        if self.geometry.layout == "padded":
-            layout = pad_batch(tokens)
-        else:
-            layout = pack_sequences(tokens, self.geometry)
-        shape = layout.tokens.shape
-        per_position = per_position_arrays(seqs, indices, layout.offsets, layout.total_tokens)
-        batch = {"tokens": layout.tokens, "position_ids": layout.position_ids}
-        batch.update({k: v.view(shape) for k, v in per_position.items()})
-        mb = {"num_tokens": layout.total_tokens}
-        if self.te:  # TE: packed THD format; with CP each rank keeps its load-balanced chunks of every sequence
-            from megatron.core.utils import get_thd_batch_on_this_cp_rank
-
-            cu_seqlens = layout.cu_seqlens.to(self.device)
-            # the same tensor object when nothing is padded: TE then keeps its FlashAttention-2 backend available
-            # (TE attention/dot_product_attention/dot_product_attention.py:2014-2026, pad_between_seqs)
-            same = torch.equal(layout.cu_seqlens, layout.cu_seqlens_padded)
-            cu_padded = cu_seqlens if same else layout.cu_seqlens_padded.to(self.device)
-            batch, mb["packed_seq_params"] = get_thd_batch_on_this_cp_rank(
-                {k: v.to(self.device) for k, v in batch.items()}, cu_seqlens, cu_padded,
-                torch.tensor([layout.max_seqlen]),
+        ``self.geometry``: packed THD rows on Transformer Engine; on the local spec, right-padded rows in which a
+        group's responses share one copy of their prompt where that is cheaper (``data/shared_prompt.py``)."""
+        prompt_lens = [s.prompt_len for s in seqs]
+        if self.geometry.layout == "padded" and self.cfg.parallel.share_prompts:
+            rows = plan_rows(
+                prompt_lens, [s.response_len for s in seqs], prompt_groups([s.tokens[: s.prompt_len] for s in seqs]),
+                self.micro_batch_tokens, *self._flop_weights,
             )  # fmt: skip
-            mb["attention_mask"] = None
-            mb["num_tokens"] = batch["tokens"].shape[1]
-        else:  # local spec: right-padded rows under one causal mask
-            mb["attention_mask"] = layout.causal_mask().to(self.device)
+        else:
+            rows = [[i] for i in range(len(seqs))]
+        lengths = [prompt_lens[r[0]] + sum(seqs[i].response_len for i in r) for r in rows]
+        per_rank, self.last_balance = balance_across_dp(lengths, self.dp_size, self.micro_batch_tokens, self.geometry)
+        return [self._micro_batch(seqs, [rows[k] for k in mb]) for mb in per_rank[self.dp_rank]]
+
+    @functools.cached_property
+    def _flop_weights(self) -> tuple[float, float]:
+        """(FLOPs per token outside attention, FLOPs per attended (query, key) pair), per layer and TP rank."""
+        from megatron_dapo.memory import layer_gemm_params
+
+        a, tp = self.arch, self.cfg.parallel.tp
+        return 2.0 * layer_gemm_params(a, tp), 4.0 * a.num_attention_heads * a.head_dim / tp
+
+    def _micro_batch(self, seqs: list[Sequence], rows: list[list[int]]) -> dict:
+        """One micro-batch of ``rows`` (lists of indices into ``seqs``): the model inputs plus, for each response
+        token (``sel_*``), the index of the hidden state that predicts it, its label, sequence, response offset, old
+        and rollout logprobs, advantage and loss mask."""
+        if self.geometry.layout == "padded":
+            return self._shared_prompt_micro_batch(seqs, rows)
+        indices = [i for r in rows for i in r]
+        chosen = [seqs[i] for i in indices]
+        layout = pack_sequences([s.tokens for s in chosen], self.geometry)
+        # per POSITION: context parallelism slices every array with the tokens (megatron-core's THD split)
+        per_position = per_position_arrays(chosen, indices, layout.offsets, layout.total_tokens)
+        batch = {"tokens": layout.tokens, "position_ids": layout.position_ids}
+        batch.update({k: v.view(layout.tokens.shape) for k, v in per_position.items()})
+        from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+        cu_seqlens = layout.cu_seqlens.to(self.device)
+        # the same tensor object when nothing is padded: TE then keeps its FlashAttention-2 backend available
+        # (TE attention/dot_product_attention/dot_product_attention.py:2014-2026, pad_between_seqs)
+        same = torch.equal(layout.cu_seqlens, layout.cu_seqlens_padded)
+        cu_padded = cu_seqlens if same else layout.cu_seqlens_padded.to(self.device)
+        batch, packed_seq_params = get_thd_batch_on_this_cp_rank(
+            {k: v.to(self.device) for k, v in batch.items()}, cu_seqlens, cu_padded, torch.tensor([layout.max_seqlen])
+        )
+        mb = {"num_tokens": batch["tokens"].shape[1], "attention_mask": None, "packed_seq_params": packed_seq_params}
         mb.update({k: v.to(self.device) for k, v in batch.items()})
-        keep = mb["valid"].reshape(-1)
-        # the loss inputs: this rank's response-predicting positions only
+        keep = mb["valid"].reshape(-1)  # this rank's response-predicting positions
         for key in per_position:
             if key != "valid":
                 mb["sel_" + key] = mb[key].reshape(-1)[keep]
         mb["sel_index"] = keep.nonzero().squeeze(-1)
+        return mb
+
+    def _shared_prompt_micro_batch(self, seqs: list[Sequence], rows: list[list[int]]) -> dict:
+        b = shared_prompt_batch([s.tokens for s in seqs], [s.prompt_len for s in seqs], rows)
+        order = [seqs[i] for r in rows for i in r]  # the targets' sequence order
+
+        def per_target(field: str, default: float) -> torch.Tensor:
+            parts = [getattr(s, field) if getattr(s, field) is not None else torch.full((s.response_len,), default)
+                     for s in order]  # fmt: skip
+            return torch.cat(parts).float() if parts else torch.zeros(0)
+
+        sel = {
+            "index": b.target_index, "labels": b.labels, "seq_id": b.target_seq, "resp_off": b.target_offset,
+            "old_logprobs": per_target("old_logprobs", 0.0), "rollout_logprobs": per_target("rollout_logprobs", 0.0),
+            "loss_mask": per_target("loss_mask", 1.0),
+            "advantages": torch.cat([torch.full((s.response_len,), float(s.advantage)) for s in order])
+            if order else torch.zeros(0),
+        }  # fmt: skip
+        pos = b.position_ids
+        if bool((pos == pos[:1]).all()):  # the same positions in every row: one row of RoPE tables broadcasts
+            pos = pos[:1]
+        mb = {
+            "num_tokens": b.total_tokens,
+            "tokens": b.tokens.to(self.device),
+            # three identical rows: megatron's mrope is then plain RoPE at these explicit positions (provider.py)
+            "position_ids": pos.expand(3, *pos.shape).to(self.device),
+            "attention_mask": b.attention_mask.to(self.device),
+        }
+        mb.update({"sel_" + k: v.to(self.device) for k, v in sel.items()})
         return mb
 
     def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list[dict]:

@@ -101,6 +101,8 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if model_cfg.fp8:
         kwargs.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
+    if not te:  # the local spec's RoPE takes explicit positions: see position_embedding_type()
+        kwargs.update(mrope_section=[arch.head_dim // 2])
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -149,6 +151,15 @@ def layer_spec(model_cfg: ModelConfig):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+def position_embedding_type(model_cfg: ModelConfig) -> str:
+    """TE: "rope" (packed THD rows restart positions per sequence through cu_seqlens). Local spec: "mrope" fed three
+    identical position rows, which is plain RoPE at explicit per-token positions (megatron-core 0.16.1
+    models/common/embeddings/rotary_pos_embedding.py:307-360, MultimodalRotaryEmbedding: with equal rows every
+    mrope section reads the same positions), so a response can continue the positions of a prompt it shares
+    (data/shared_prompt.py). It has no parameters: checkpoints are the same either way."""
+    return "rope" if use_transformer_engine(model_cfg) else "mrope"
+
+
 def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> list[torch.nn.Module]:
     """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized."""
     from megatron.core import parallel_state
@@ -164,7 +175,7 @@ def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConf
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type(model_cfg),
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     if torch.cuda.is_available():

@@ -200,7 +200,7 @@ class HFEngine:
             indices = range(start, min(start + per_batch, len(prompts)))
             rows = [(p, j) for p in indices for j in range(n)]
             seeds = [self._seed(sampling.seed, p, j) for p, j in rows]
-            samples = self._generate_rows([prompts[p] for p, _ in rows], seeds, sampling)
+            samples = self._generate_rows([prompts[p] for p in indices], n, seeds, sampling)
             for s, (p, j) in zip(samples, rows):
                 s.prompt_index, s.sample_index = p, j
             for k in range(len(indices)):
@@ -234,13 +234,15 @@ class HFEngine:
         return out.logits[:, -1].float()
 
     @torch.no_grad()
-    def _generate_rows(self, prompts: list[list[int]], seeds: list[int], sp: SamplingParams) -> list[Sample]:
+    def _generate_rows(self, prompts: list[list[int]], n: int, seeds: list[int], sp: SamplingParams) -> list[Sample]:
+        """``n`` samples of each prompt (rows grouped by prompt). The prompts are prefilled once each and their KV
+        cache repeated for the ``n`` rows of the group, so a group pays for its prompt once, not n times."""
         from transformers import DynamicCache
 
-        dev, B = self.device, len(prompts)
+        dev, B = self.device, len(prompts) * n
         width = max(len(p) for p in prompts)
-        ids = torch.full((B, width), self.tokenizer.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((B, width), dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
@@ -250,6 +252,11 @@ class HFEngine:
             cache = DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             cache = DynamicCache()
+        logits = self._forward(ids, attn, pos, cache, last_only=True)
+        if n > 1:  # the group's rows share the prompt's keys and values
+            cache.batch_repeat_interleave(n)
+            logits, attn = logits.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
+        prompts = [p for p in prompts for _ in range(n)]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         stop = torch.tensor(sorted(set(self.tokenizer.eos_token_ids) | set(sp.stop_token_ids)), dtype=torch.long)
         tokens = torch.zeros((B, sp.max_new_tokens), dtype=torch.long)
@@ -258,7 +265,6 @@ class HFEngine:
         finish = ["length"] * B
         active = torch.arange(B)  # rows still generating (indices into the batch)
         next_pos = attn.sum(-1)
-        logits = self._forward(ids, attn, pos, cache, last_only=True)
         for step in range(sp.max_new_tokens):
             tok, lp = sample_tokens(logits, sp, [gens[i] for i in active.tolist()])
             tok, lp = tok.cpu(), lp.cpu()

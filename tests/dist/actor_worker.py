@@ -29,18 +29,21 @@ def make_cfg(**over):
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
 
-def make_seqs(n=8, seed=0, vocab=32):
+def make_seqs(n=8, seed=0, vocab=32, group=1):
+    """``n`` sequences; with ``group`` > 1, consecutive runs of ``group`` share their prompt (as rollout groups do)."""
     from megatron_dapo.actor.actor import Sequence
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
-    for _ in range(n):
+    for k in range(n):
         length = int(torch.randint(10, 40, (1,), generator=g))
-        prompt = int(torch.randint(3, 8, (1,), generator=g))
+        if k % group == 0:
+            prompt = torch.randint(0, vocab, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+        response = torch.randint(0, vocab, (length - 7,), generator=g)
         seqs.append(
             Sequence(
-                tokens=torch.randint(0, vocab, (length,), generator=g),
-                prompt_len=prompt,
+                tokens=torch.cat([prompt, response]) if group > 1 else torch.randint(0, vocab, (length,), generator=g),
+                prompt_len=len(prompt),
                 advantage=float(torch.randn(1, generator=g)),
             )
         )
@@ -67,10 +70,11 @@ def main():
     kv = dict(a.split("=", 1) for a in sys.argv[3:])
     load = kv.pop("load", None)
     save = kv.pop("save", None)
+    group = int(kv.pop("group", 1))
     cfg = make_cfg(**kv)
     actor = MegatronActor(cfg)
     extra = actor.load(load) if load else None
-    seqs = make_seqs()
+    seqs = make_seqs(group=group)
     result = {}
     if load:
         result["extra"] = extra

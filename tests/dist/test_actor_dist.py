@@ -95,6 +95,24 @@ def test_old_logprobs_from_the_first_forward_equal_the_recomputed_pass(base, upd
     assert b["metrics"]["train/old_logprob_pass_seqs"] == (0 if updates == 1 else 4)
 
 
+def test_shared_prompt_rows_equal_one_row_per_sequence(base):
+    """Groups of 4 sharing a prompt: the step with shared-prompt rows equals the one with a row per sequence, and at
+    PP = 2 (variable batch shapes and explicit positions through the pipeline) the logprobs equal PP = 1's."""
+    outs = {}
+    for share in ("true", "false"):
+        out = base / f"share_{share}.pt"
+        run_torchrun(1, WORKER, "train", out, ADAM_EPS, "group=4", f"parallel.share_prompts={share}",
+                     f"load={base / 'ckpt0'}")  # fmt: skip
+        outs[share] = torch.load(out)
+    assert outs["true"]["metrics"]["train/loss"] == pytest.approx(outs["false"]["metrics"]["train/loss"], abs=1e-6)
+    for name, p in outs["false"]["params"].items():
+        torch.testing.assert_close(outs["true"]["params"][name], p, rtol=0, atol=2e-6, msg=name)
+    _close(outs["true"]["logprobs"], outs["false"]["logprobs"], 2e-6)
+    run_torchrun(2, WORKER, "logprobs", base / "share_pp2.pt", "group=4", "parallel.pp=2", f"load={base / 'ckpt0'}")
+    run_torchrun(1, WORKER, "logprobs", base / "share_pp1.pt", "group=4", f"load={base / 'ckpt0'}")
+    _close(torch.load(base / "share_pp1.pt")["logprobs"], torch.load(base / "share_pp2.pt")["logprobs"], 1e-5)
+
+
 def test_save_tp2_load_tp1_equal_logprobs(base):
     run_torchrun(2, WORKER, "train", base / "tp2_train.pt", "parallel.tp=2", f"load={base / 'ckpt0'}",
                  f"save={base / 'ckpt_tp2'}")

@@ -1,0 +1,203 @@
+"""The memory model: exact parameter counts of our megatron-core GPTModel, activation bytes per token, and the
+actor's peak on one rank — what the planner (``plan.py``) and the actor's default micro-batch budget rest on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_dapo.config import ArchConfig, padded_vocab_size
+
+GiB = 1024**3
+BF16, FP32 = 2, 4
+RECOMPUTE = ("none", "selective", "full")
+# Selective recompute = megatron-core recompute_granularity="selective" with these modules; full = "full"/"uniform"/1.
+SELECTIVE_MODULES = ["core_attn", "layernorm", "mlp"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parameter counting
+
+
+def _check_split(arch: ArchConfig, tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp = {tp}, pp = {pp}: must be >= 1")
+    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(arch, key) % tp:
+            raise ValueError(f"{arch.name}: {key} = {getattr(arch, key)} is not divisible by tp = {tp}")
+    if arch.num_layers % pp:
+        raise ValueError(f"{arch.name}: num_layers = {arch.num_layers} is not divisible by pp = {pp}")
+
+
+def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
+    """Weights of the four GEMMs of one layer on one TP rank: QKV, proj, fc1 (gated: 2·ffn rows), fc2."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d * h
+    proj = h * arch.num_attention_heads * d
+    return (qkv + proj + 2 * f * h + h * f) // tp
+
+
+def layer_params(arch: ArchConfig, tp: int = 1) -> int:
+    """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias."""
+    qkv_bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim // tp if arch.qkv_bias else 0
+    return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias
+
+
+def count_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, padded_vocab: int | None = None) -> int:
+    """Parameters held by one GPU (one TP rank of pipeline stage ``pp_rank``) of our megatron-core GPTModel.
+
+    First stage: word embedding [padded_vocab/TP, h]. Every stage: num_layers/PP layers (``layer_params``).
+    Last stage: final RMSNorm [h] and the output layer [padded_vocab/TP, h] — when embeddings are untied, or when
+    they are tied and PP > 1 (megatron keeps a copy of the embedding on the last stage, kept equal by an all-reduce).
+    RoPE has no parameters. ``padded_vocab`` defaults to ``padded_vocab_size(arch.vocab_size, tp)``.
+    """
+    _check_split(arch, tp, pp)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank = {pp_rank}: must be in [0, {pp})")
+    vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(arch.vocab_size, tp)
+    if vocab % tp:
+        raise ValueError(f"padded_vocab = {vocab} is not divisible by tp = {tp}")
+    h = arch.hidden_size
+    n = arch.num_layers // pp * layer_params(arch, tp)
+    if pp_rank == 0:
+        n += vocab // tp * h
+    if pp_rank == pp - 1:
+        n += h
+        if not arch.tie_embeddings or pp > 1:
+            n += vocab // tp * h
+    return n
+
+
+def total_params(arch: ArchConfig, padded_vocab: int | None = None) -> int:
+    """The whole model (TP = PP = 1); with the real vocabulary unless ``padded_vocab`` is given."""
+    return count_params(arch, 1, 1, 0, padded_vocab if padded_vocab is not None else arch.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations
+
+
+def activation_bytes_per_token(
+    arch: ArchConfig,
+    recompute: str = "none",
+    *,
+    flash: bool = True,
+    attn_seq_len: int = 0,
+    gated: bool = True,
+    dropout: bool = False,
+) -> float:
+    """Bytes one layer keeps for the backward pass per token (16-bit activations, 1-byte dropout masks), before ÷TP.
+
+    Korthikanti et al. 2022, term by term, with q = heads·head_dim, kv = kv_heads·head_dim, f = ffn size:
+      norms:      2 inputs · 2h                                            (their 4sbh)
+      attention:  QKV input 2h + Q,K,V 2(q + 2kv) + proj input 2q + dropout mask h   (their 11sbh for MHA)
+                  + softmax 2as + its dropout mask as + dropout output 2as = 5as      (gone with flash attention)
+      MLP:        fc1 input 2h + activation input 2f·(2 if gated) + fc2 input 2f + dropout mask h   (their 19sbh)
+    With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
+    scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Qwen2/Llama: gated (SwiGLU),
+    no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
+    leaving the 2 norm inputs, Q/K/V and the proj input. Full: only the layer input, 2h.
+    """
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    mask = h if dropout else 0
+    if recompute == "full":
+        return 2 * h
+    if recompute == "selective":
+        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask
+    if recompute != "none":
+        raise ValueError(f"recompute = {recompute!r}: must be one of {', '.join(RECOMPUTE)}")
+    norms = 4 * h
+    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask
+    if not flash:
+        attention += 5 * arch.num_attention_heads * attn_seq_len
+    mlp = 2 * h + 2 * f * (2 if gated else 1) + 2 * f + mask
+    return norms + attention + mlp
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The actor's peak on one rank (what sizes the default micro-batch budget)
+
+# Measured / formula for the activations of megatron-core's local spec on CPU autograd (fp32): RMSNorm, RoPE and the
+# SwiGLU keep more intermediates than the 16-bit GPU accounting of ``activation_bytes_per_token`` (bench_memory.py
+# measures it: SmolLM2-135M, padded micro-batches). TE's fused kernels keep what the formula counts.
+LOCAL_SPEC_ACTIVATION_FACTOR = 1.6
+BASE_BYTES = 0.6 * GiB  # torch, megatron-core and transformers imported, the process's own allocations
+
+
+@dataclass
+class ActorMemory:
+    """Bytes one rank of the actor holds at its peak (the first pipeline stage, during a training micro-batch)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    engine: float  # an in-process rollout engine's copy of the model (the CPU HF engine on rank 0)
+    base: float = BASE_BYTES
+
+    @property
+    def fixed(self) -> float:
+        """Everything but the activations (which scale with the micro-batch)."""
+        return self.weights + self.grads + self.optimizer + self.logits + self.engine + self.base
+
+    @property
+    def total(self) -> float:
+        return self.fixed + self.activations
+
+    def explain(self) -> str:
+        rows = [(k, getattr(self, k)) for k in ("weights", "grads", "optimizer", "activations", "logits", "engine")]
+        rows.append(("process", self.base))
+        return ", ".join(f"{k} {v / GiB:.2f}" for k, v in rows) + f" = {self.total / GiB:.2f} GiB"
+
+
+def actor_memory(
+    arch: ArchConfig,
+    micro_batch_tokens: int,
+    max_seq_len: int,
+    *,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    layout: str = "padded",
+    recompute: str = "none",
+    distributed_optimizer: bool = False,
+    logprob_chunk_tokens: int = 1024,
+    engine_bytes_per_param: int = 0,
+) -> ActorMemory:
+    """The peak of one rank: resident state (weights, fp32 main grads, Adam: 8 B/param for fp32 weights, 12 with a
+    16-bit model's fp32 master copy, ÷ DP with the distributed optimizer), the activations of ``pp`` micro-batches in
+    flight on stage 0, one logits chunk, and an in-process engine's copy of the whole model.
+
+    Padded micro-batches (local spec) attend densely over their longest sequence, at most ``max_seq_len``; THD rows
+    (TE) use flash attention, which keeps no scores."""
+    params = count_params(arch, tp, pp, 0)
+    optimizer = params * (8 if dtype_bytes == 4 else 12) / (dp if distributed_optimizer else 1)
+    flash = layout == "thd"
+    per_token = activation_bytes_per_token(arch, recompute, flash=flash, attn_seq_len=max_seq_len)
+    per_token *= dtype_bytes / 2 * (1.0 if flash else LOCAL_SPEC_ACTIVATION_FACTOR)
+    layers = arch.num_layers // pp
+    # 1F1B keeps up to PP micro-batches in flight on stage 0; TE runs sequence parallel (÷ TP), the local spec not
+    activations = per_token * layers * micro_batch_tokens * pp / (tp if flash else 1)
+    chunk = min(logprob_chunk_tokens, micro_batch_tokens)
+    logits = chunk * padded_vocab_size(arch.vocab_size, tp) / tp * 16  # fp32 logits, log-softmax, grad, recompute
+    return ActorMemory(
+        weights=params * dtype_bytes,
+        grads=params * FP32,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits,
+        engine=total_params(arch) * engine_bytes_per_param,
+    )
+
+
+def fit_micro_batch_tokens(arch: ArchConfig, max_seq_len: int, available: float, **kw) -> int:
+    """The largest micro-batch token budget whose ``actor_memory`` peak stays within ``available`` bytes (kw as for
+    ``actor_memory``); 0 when not even the resident state fits."""
+    one = actor_memory(arch, 1, max_seq_len, **kw)
+    full_chunk = actor_memory(arch, kw.get("logprob_chunk_tokens", 1024), max_seq_len, **kw)
+    room = available - full_chunk.fixed
+    return max(0, int(room // one.activations)) if room > 0 else 0
