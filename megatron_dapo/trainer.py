@@ -16,7 +16,7 @@ from rich.progress import track
 
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor, Sequence
-from megatron_dapo.algo.sampling import DynamicSampler
+from megatron_dapo.algo.sampling import DynamicSampler, PromptOrderCollector
 from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, to_sequences
 from megatron_dapo.config import DapoConfig, load_arch, save_config
 from megatron_dapo.data.dataset import PromptIterator, build_prompt_datasets
@@ -149,18 +149,16 @@ class Trainer:
             items = self.prompts.take(cfg.algo.gen_batch_prompts)
             seed = cfg.train.seed * 1_000_003 + step * 101 + batch_index
             sampling = SamplingParams.from_config(cfg.rollout.sampling, seed=seed)
-            groups, correct = [], []
+            collector = PromptOrderCollector(len(items), sampler.missing, cfg.algo.dynamic_sampling)
             for samples in engine.generate_stream([it.prompt_ids for it in items], sampling, n=cfg.algo.group_size):
                 item = items[samples[0].prompt_index]
                 results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
-                groups.append(group_from_samples(item.prompt_ids, samples, results, item.data_source))
-                correct.append(groups[-1].correct)
-                useful = sum(0 < sum(c) < len(c) for c in correct) if cfg.algo.dynamic_sampling else len(groups)
-                if useful >= sampler.missing:
-                    engine.abort()  # enough informative groups: drop what is still generating
+                group = group_from_samples(item.prompt_ids, samples, results, item.data_source)
+                generated += group.correct
+                if collector.add(samples[0].prompt_index, group, torch.tensor(group.correct)):
+                    engine.abort()  # the first informative groups in prompt order are in: drop the rest
                     break
-            sampler.add(groups, torch.tensor(correct, dtype=torch.bool))
-            generated += [c for group in correct for c in group]
+            sampler.add(*collector.take())
             batch_index += 1
         batch = sampler.take()
         stats = sampler.stats()

@@ -203,3 +203,48 @@ class DynamicSampler:
         self._counters = {k: int(state[k]) for k in self._counters}
         self._buffer = []
         self._taken = True  # a restored state is between steps; the next add() starts a new one
+
+
+class PromptOrderCollector:
+    """One generation batch's groups, finishing in any order, cut in PROMPT order (as verl and NeMo-RL keep them).
+
+    A streaming engine finishes short responses first; keeping groups in the order they finish would drop the long
+    and truncated ones — exactly those the overlong penalty and long reasoning need. So the batch is cut at the
+    contiguous prefix of prompts (0, 1, 2, …, all finished) that holds the ``needed`` informative groups; the groups
+    after the cut, finished or not, are the surplus (abort what still runs once :meth:`add` says done).
+
+    With ``informative_only`` False (dynamic sampling off) every group counts.
+    """
+
+    def __init__(self, num_prompts: int, needed: int, informative_only: bool = True) -> None:
+        self.num_prompts, self.needed, self.informative_only = num_prompts, needed, informative_only
+        self._done: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._frontier = 0  # prompts [0, frontier) have all finished
+        self._counted = 0  # informative groups among them
+        self._cut: int | None = None
+
+    def add(self, prompt_index: int, group: Any, correct: torch.Tensor) -> bool:
+        """Record a finished group (``correct`` bool [G]); True once the prompt-order cut is known."""
+        if self._cut is not None:
+            return True
+        self._done[prompt_index] = (group, correct)
+        while self._frontier in self._done:
+            c = self._done[self._frontier][1]
+            self._counted += bool(keep_groups(c[None])[0]) if self.informative_only else 1
+            self._frontier += 1
+            if self._counted >= self.needed:
+                self._cut = self._frontier
+                break
+        return self._cut is not None
+
+    @property
+    def done(self) -> bool:
+        return self._cut is not None
+
+    def take(self) -> tuple[list[Any], torch.Tensor | None]:
+        """The groups before the cut (all finished ones when no cut), in prompt order, and their correctness."""
+        end = self._cut if self._cut is not None else self._frontier
+        chosen = [self._done[p] for p in range(end)]
+        if not chosen:
+            return [], None
+        return [g for g, _ in chosen], torch.stack([c for _, c in chosen])

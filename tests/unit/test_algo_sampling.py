@@ -134,3 +134,45 @@ def test_bad_inputs_are_named():
     sampler.add(*batch(0, [1]))
     with pytest.raises(ValueError, match="G = 3"):
         sampler.add(["x"], torch.zeros(1, 3, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# prompt-order cut of a streaming batch
+
+
+def _correct(pattern: str) -> torch.Tensor:
+    return torch.tensor([c == "1" for c in pattern])
+
+
+def test_groups_finishing_in_reverse_order_are_cut_in_prompt_order():
+    from megatron_dapo.algo.sampling import PromptOrderCollector
+
+    # prompts 0..7; informative (mixed) ones: 1, 2, 4, 6. Needed: 2 -> the cut is after prompt 2.
+    patterns = ["1111", "1010", "0110", "0000", "0001", "1111", "1100", "0000"]
+    c = PromptOrderCollector(len(patterns), needed=2)
+    finished = []
+    for p in reversed(range(len(patterns))):  # an engine that finishes the last prompt first
+        finished.append(p)
+        if c.add(p, f"group{p}", _correct(patterns[p])):
+            break
+    assert finished == list(reversed(range(8)))  # the cut is only known once prompts 0..2 are in
+    groups, correct = c.take()
+    assert groups == ["group0", "group1", "group2"]  # in prompt order; 4 and 6 (finished earlier) are surplus
+    assert correct.tolist() == [[True] * 4, [True, False, True, False], [False, True, True, False]]
+    # finish order can only delay the cut, never change which groups are kept
+    forward = PromptOrderCollector(len(patterns), needed=2)
+    assert [p for p in range(8) if not forward.add(p, f"group{p}", _correct(patterns[p]))] == [0, 1]
+    assert forward.take()[0] == groups
+
+
+def test_without_dynamic_sampling_every_group_counts_and_an_uncut_batch_returns_all():
+    from megatron_dapo.algo.sampling import PromptOrderCollector
+
+    c = PromptOrderCollector(4, needed=3, informative_only=False)
+    for p in (2, 0, 1):
+        done = c.add(p, p, _correct("0000"))
+    assert done and c.take()[0] == [0, 1, 2]
+    short = PromptOrderCollector(3, needed=5)
+    for p in (1, 0, 2):
+        assert not short.add(p, p, _correct("01"))
+    assert short.take()[0] == [0, 1, 2]  # too few informative groups: the whole batch, in order
