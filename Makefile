@@ -6,7 +6,10 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint bench clean gpu-test
+# GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
+GPU_PY  ?= python3
+
+.PHONY: setup demo test test-fast lint bench clean gpu-test gpu-smoke
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -35,14 +38,21 @@ test: $(VENV)/.installed-launch  ## the whole CPU suite (unit, multi-process, e2
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
 
-gpu-test: setup
-	$(BIN)/python -m pytest -q -rs tests/gpu
+gpu-test:                   ## on a GPU machine with TE and SGLang (NGC container): every test in tests/gpu
+	$(GPU_PY) -m pytest -q -rs tests/gpu
+
+gpu-smoke:                  ## one GPU, PyTorch + megatron-core only: logits vs HF, train-step MFU, memory, CUDA IPC
+	$(GPU_PY) tools/gpu_smoke.py --out gpu_smoke_out
 
 lint: setup
 	$(BIN)/ruff check megatron_dapo tests tools bench
 	$(BIN)/ruff format --check megatron_dapo tests tools bench
 
-bench: setup
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[bench]"
+	@touch $@
+
+bench: $(VENV)/.installed-bench  ## benchmarks printing ratios measured in one run (bench_vs_trl needs TRL: [bench])
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:

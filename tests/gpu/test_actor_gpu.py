@@ -1,5 +1,6 @@
-"""GPU actor checks (skipped without CUDA): TE spec + FP8 train step, CP=2 equals CP=1, THD packing equals one
-sequence per micro-batch, and a 20k-token packed micro-batch within the planner's predicted memory (±15%)."""
+"""GPU actor checks (skipped without CUDA): TE spec + FP8 train step on lengths that are no multiple of 16 (the
+geometry pads them), CP=2 and TP=2 with sequence parallelism equal to one GPU, THD packing equals one sequence per
+micro-batch, and a 20k-token packed micro-batch within the planner's predicted memory (±15%)."""
 
 import json
 from pathlib import Path
@@ -66,6 +67,18 @@ def test_cp2_equals_cp1(tmp_path):
         assert max(abs(x - y) for x, y in zip(a, b)) < 2e-2
 
 
+@pytest.mark.skipif(not _te() or torch.cuda.device_count() < 2, reason="needs Transformer Engine and 2 GPUs")
+@pytest.mark.parametrize("fp8", ["null", "e4m3"])
+def test_tp2_sequence_parallel_equals_one_gpu(tmp_path, fp8):
+    """SP: the head gathers the sequence shards (actor._sequence_parallel_head); rows padded to TP (x16 with FP8)."""
+    one = _run(tmp_path, f"sp1_{fp8}", 1, "logprobs", ARCH, "model.dtype=bf16", f"model.fp8={fp8}")
+    two = _run(tmp_path, f"sp2_{fp8}", 2, "logprobs", ARCH, "model.dtype=bf16", f"model.fp8={fp8}", "parallel.tp=2",
+               "parallel.sequence_parallel=true")  # fmt: skip
+    for a, b in zip(one["logprobs"], two["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < (2e-1 if fp8 == "e4m3" else 2e-2)
+
+
+@pytest.mark.skipif(not _te(), reason="needs Transformer Engine (the local spec attends densely)")
 def test_20k_packed_micro_batch_within_predicted_memory(tmp_path):
     from megatron_dapo.plan import plan
 
