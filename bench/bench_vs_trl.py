@@ -193,8 +193,8 @@ def report(results: dict, args, threads: str, out_dir: Path) -> None:
     for shape, r in results.items():
         o, t = r["ours"], r["trl"]
         lines.append(
-            f"| {shape} | {o['s_per_step']:.2f} | {t['s_per_step']:.2f} | {o['samples_per_s']:.0f} | "
-            f"{t['samples_per_s']:.0f} | **{o['samples_per_s'] / t['samples_per_s']:.2f}×** | "
+            f"| {shape} | {o['s_per_step']:.2f} | {t['s_per_step']:.2f} | {o['samples_per_s']:.3g} | "
+            f"{t['samples_per_s']:.3g} | **{o['samples_per_s'] / t['samples_per_s']:.2f}×** | "
             f"{o['rss_gib']:.2f} / {t['rss_gib']:.2f} |"
         )
     lines += ["", "Phase split (median seconds per step):", ""]
