@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +93,7 @@ class Trainer:
         self.is_driver = is_driver()
         self.actor = MegatronActor(cfg, self.arch)
         self.start_step = self._restore(resume)
+        self.samples_generated = 0  # this run's, for train.sample_budget
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -111,11 +113,14 @@ class Trainer:
         self.rollout.sync_weights(self.actor, version=self.start_step)
         last = {}
         steps = range(self.start_step + 1, cfg.train.steps + 1)
+        started = time.monotonic()
         for step in track(steps, description="DAPO steps", disable=not is_driver() or not steps):
             times: dict[str, float] = {}
             with Timer("step", times):
                 with Timer("rollout", times):
                     groups, sampling_stats = broadcast(self.collect_groups(step) if is_driver() else None)
+                self.samples_generated += sampling_stats["samples_generated"]
+                final = step == cfg.train.steps or self._budget_spent(started)
                 seqs, metrics = to_sequences(groups, cfg)
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
@@ -124,20 +129,34 @@ class Trainer:
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 with Timer("sync", times):
                     metrics.update(self.rollout.sync_weights(self.actor, version=step))
-                if cfg.eval.interval and step % cfg.eval.interval == 0 or step == cfg.train.steps:
+                if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
                     with Timer("eval", times):
                         metrics.update(self.evaluate(step))
-                if cfg.train.save_interval and step % cfg.train.save_interval == 0 or step == cfg.train.steps:
+                if cfg.train.save_interval and step % cfg.train.save_interval == 0 or final:
                     with Timer("save", times):
                         self.save(step)
             metrics.update({f"train/{k}": float(v) for k, v in sampling_stats.items() if not k.startswith("total_")})
+            metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
             last = self.log(step, metrics)
+            if final:
+                break
+        if cfg.train.steps == 0 and self.start_step == 0:  # a run of no RL steps keeps what it has (the warm start)
+            self.save(0)
         if cfg.train.export_hf and self.start_step < cfg.train.steps:
             self.export_hf(self.run_dir / "hf")
         if self.logger:
             self.logger.close()
         return last
+
+    def _budget_spent(self, started: float) -> bool:
+        """``train.sample_budget`` samples generated or ``train.time_budget_s`` seconds of RL spent (rank 0 decides
+        at the start of a step, from the numbers all ranks share)."""
+        t = self.cfg.train
+        spent = bool(t.sample_budget and self.samples_generated >= t.sample_budget) or bool(
+            t.time_budget_s and time.monotonic() - started >= t.time_budget_s
+        )
+        return bool(broadcast(spent))
 
     # ------------------------------------------------------------------------------------------------------------------
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:
@@ -164,6 +183,7 @@ class Trainer:
         stats = sampler.stats()
         stats["kept_groups"] = stats.pop("kept")
         stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
+        stats["samples_generated"] = len(generated)
         return batch, stats
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -176,25 +196,32 @@ class Trainer:
 
     def warm_start(self) -> None:
         """Supervised warm start on the synthetic task (demo): NLL on " Answer: N<eos>" until held-out accuracy is
-        reached or the step budget is spent."""
+        reached, the step budget is spent, or ``train.time_budget_s`` when RL gets no steps (a supervised baseline)."""
         from megatron_dapo.data.synthetic import supervised_target_ids
 
         t = self.cfg.train
-        score = 0.0
+        score, started = 0.0, time.monotonic()
         for k in range(1, t.supervised_warmup_steps + 1):
+            out_of_time = bool(
+                broadcast(t.steps == 0 and t.time_budget_s and time.monotonic() - started >= t.time_budget_s)
+            )
             items = self.prompts.take(t.supervised_batch)
             seqs = []
             for it in items:
-                target = supervised_target_ids(self.tokenizer, it.ground_truth)
+                target = supervised_target_ids(self.tokenizer, it.ground_truth, it.extra)
                 seqs.append(Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids)))
             m = self.actor.supervised_step(seqs, lr=t.supervised_lr)
             # accuracy jumps fast once it starts: check every 10 steps from half the target on, every 20 before
-            if k % (10 if score >= t.supervised_stop_acc / 2 else 20) == 0 or k == t.supervised_warmup_steps:
+            if (
+                k % (10 if score >= t.supervised_stop_acc / 2 else 20) == 0
+                or k == t.supervised_warmup_steps
+                or out_of_time
+            ):
                 self.rollout.sync_weights(self.actor, version=0)
                 acc = broadcast(self.evaluate(0) if is_driver() else None)
                 score = min((v for key, v in acc.items() if "/avg@" in key), default=0.0)
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
-                if score >= t.supervised_stop_acc:
+                if score >= t.supervised_stop_acc or out_of_time:
                     break
         self.log(0, {"sft/steps": k, **acc})  # step 0 of metrics.jsonl: where RL starts from
         self.actor.reset_optimizer_state()

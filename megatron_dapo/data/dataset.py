@@ -340,6 +340,14 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
             apply_chat_template=d.apply_chat_template,
         )
         evals[DATA_SOURCE] = synthetic_eval
+    elif d.synthetic == "chain":
+        from megatron_dapo.data.chain import DATA_SOURCE as CHAIN
+        from megatron_dapo.data.chain import make_chain_datasets
+
+        train, evals[CHAIN] = make_chain_datasets(
+            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
+            d.chain_max_terms, d.apply_chat_template,
+        )  # fmt: skip
     else:
         train = PromptDataset.from_files(d.train_files, tokenizer, d.max_prompt_len, d.apply_chat_template)
     evals.update(build_eval_datasets(cfg, tokenizer))

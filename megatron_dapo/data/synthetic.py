@@ -110,7 +110,9 @@ def supervised_target_text(ground_truth: str) -> str:
     return f" Answer: {ground_truth}"
 
 
-def supervised_target_ids(tokenizer: Any, ground_truth: str) -> list[int]:
-    """Token ids of :func:`supervised_target_text` followed by the tokenizer's eos (for the warm start)."""
-    ids = tokenizer.encode(supervised_target_text(ground_truth), add_special_tokens=False)
+def supervised_target_ids(tokenizer: Any, ground_truth: str, extra: dict | None = None) -> list[int]:
+    """Token ids of the row's written-out solution (``extra_info.solution``, e.g. the chain task's running sums) or
+    else :func:`supervised_target_text`, followed by the tokenizer's eos (for the warm start)."""
+    solution = ((extra or {}).get("extra_info") or {}).get("solution")
+    ids = tokenizer.encode(solution or supervised_target_text(ground_truth), add_special_tokens=False)
     return [*ids, tokenizer.eos_token_id]
