@@ -1,8 +1,8 @@
 """Token-budget micro-batches of variable-length sequences, balanced across data-parallel ranks.
 
 A micro-batch's shape follows its ``Geometry`` (``data/geometry.py``): on Transformer Engine the sequences are
-*packed* into one row (the THD layout, ``pack_sequences``), on the local spec they form a length-bucketed, right-padded
-[B, L] batch (``pack_padded``). Either way the token budget bounds ``geometry.cost`` of each micro-batch: Σ slot
+*packed* into one row (the THD layout, ``pack_sequences``), on the local spec they form length-bucketed, right-padded
+[B, L] rows (``pack_padded`` over the rows of ``data/shared_prompt.py``). Either way the token budget bounds ``geometry.cost`` of each micro-batch: Σ slot
 lengths rounded up (THD), or B·L (padded).
 
 Padding waste, precisely (``padding_waste``)::
@@ -36,12 +36,10 @@ from megatron_dapo.data.geometry import Geometry, round_up
 __all__ = [
     "BalanceStats",
     "PackedSequences",
-    "PaddedBatch",
     "balance_across_dp",
     "pack_by_token_budget",
     "pack_padded",
     "pack_sequences",
-    "pad_batch",
     "pad_to_longest_waste",
     "padding_waste",
     "partition_karmarkar_karp",
@@ -420,50 +418,3 @@ def pack_sequences(
         max_seqlen=max_seqlen,
         num_sequences=0 if empty else len(seq_lens),
     )
-
-
-@dataclass
-class PaddedBatch:
-    """One padded micro-batch: [B, L] right-padded ``tokens``; row j holds sequence j in ``tokens[j, :seq_lens[j]]``.
-
-    With right padding and a causal mask no real token ever attends to a pad, so one shared [1, 1, L, L] causal mask
-    serves every row. An empty micro-batch is one pad token with ``num_sequences`` 0."""
-
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    valid_mask: torch.Tensor
-    seq_lens: list[int]
-    num_sequences: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.tokens.numel()
-
-    @property
-    def offsets(self) -> list[int]:
-        """Where each sequence starts in the flattened [B·L] batch."""
-        return [j * self.tokens.shape[1] for j in range(len(self.seq_lens))]
-
-    def causal_mask(self) -> torch.Tensor:
-        """[1, 1, L, L] bool, True = masked out (megatron-core's ``attention_scores.masked_fill_(mask, …)``)."""
-        n = self.tokens.shape[1]
-        return torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
-
-
-def pad_batch(seqs: Sequence[torch.Tensor], *, pad_id: int = 0) -> PaddedBatch:
-    """Right-pad 1-D token tensors to the longest into a [B, L] batch (``seqs == []``: the one-token dummy)."""
-    for j, s in enumerate(seqs):
-        if s.dim() != 1 or s.numel() == 0:
-            raise ValueError(f"seqs[{j}] has shape {tuple(s.shape)}: expected a non-empty 1-D tensor of token ids")
-    empty = len(seqs) == 0
-    if empty:
-        seqs = [torch.full((1,), pad_id, dtype=torch.long)]
-    seq_lens = [int(s.numel()) for s in seqs]
-    width = max(seq_lens)
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for j, (s, n) in enumerate(zip(seqs, seq_lens)):
-        tokens[j, :n] = s.to(torch.long)
-        valid[j, :n] = not empty
-    positions = torch.arange(width).expand(len(seqs), width).contiguous()
-    return PaddedBatch(tokens, positions, valid, seq_lens, 0 if empty else len(seqs))

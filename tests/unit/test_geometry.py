@@ -9,7 +9,8 @@ import torch
 
 from megatron_dapo.actor.actor import Sequence, per_position_arrays
 from megatron_dapo.data.geometry import Geometry, micro_batch_geometry
-from megatron_dapo.data.packing import balance_across_dp, pack_sequences, pad_batch
+from megatron_dapo.data.packing import balance_across_dp, pack_sequences
+from megatron_dapo.data.shared_prompt import shared_prompt_batch
 
 SETTINGS = [  # (fp8, tp, sequence_parallel, cp)
     (fp8, tp, sp, cp)
@@ -69,22 +70,18 @@ def _seqs(rng, lengths):
     return out
 
 
-@pytest.mark.parametrize("setting", ["padded", (False, 1, False, 1), (True, 4, True, 2), (True, 2, False, 4)])
+@pytest.mark.parametrize("setting", [(False, 1, False, 1), (True, 4, True, 2), (True, 2, False, 4)])
 def test_padding_never_reaches_the_loss(setting):
     rng = random.Random(7)
-    if setting == "padded":
-        g = micro_batch_geometry(False)
-    else:
-        fp8, tp, sp, cp = setting
-        g = micro_batch_geometry(True, tp=tp, cp=cp, sequence_parallel=sp, fp8=fp8)
+    fp8, tp, sp, cp = setting
+    g = micro_batch_geometry(True, tp=tp, cp=cp, sequence_parallel=sp, fp8=fp8)
     for _ in range(20):
         seqs = _seqs(rng, random_lengths(rng, rng.randint(1, 12)))
         ranks, _ = balance_across_dp([int(s.tokens.numel()) for s in seqs], 2, 8192, g)
         seen = 0
         for idx in [mb for r in ranks for mb in r]:
             chosen = [seqs[i] for i in idx]
-            tokens = [s.tokens for s in chosen]
-            layout = pad_batch(tokens) if g.layout == "padded" else pack_sequences(tokens, g)
+            layout = pack_sequences([s.tokens for s in chosen], g)
             a = per_position_arrays(chosen, idx, layout.offsets, layout.total_tokens)
             flat, v = layout.tokens.reshape(-1), a["valid"]
             # valid positions are exactly the response-predicting ones; their labels are the next real tokens
@@ -97,3 +94,16 @@ def test_padding_never_reaches_the_loss(setting):
             assert a["loss_mask"][v].sum() == pytest.approx(float(sum(s.loss_mask.sum() for s in chosen)))
             seen += len(idx)
         assert seen == len(seqs)
+
+
+def test_padded_rows_target_exactly_the_response_tokens():
+    """The local spec's rows (shared prompts, right padding): one target per response token, none on padding."""
+    rng = random.Random(3)
+    for _ in range(20):
+        seqs = _seqs(rng, random_lengths(rng, rng.randint(1, 12)))
+        rows = [[i] for i in range(len(seqs))]
+        b = shared_prompt_batch([s.tokens for s in seqs], [s.prompt_len for s in seqs], rows)
+        assert torch.equal(b.labels, torch.cat([s.tokens[s.prompt_len :] for s in seqs]))
+        flat = b.tokens.reshape(-1)
+        assert torch.equal(flat[b.target_index + 1], b.labels)  # one row per sequence: the next position
+        assert b.target_seq.tolist() == [i for i, s in enumerate(seqs) for _ in range(s.response_len)]

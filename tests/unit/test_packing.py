@@ -13,7 +13,6 @@ from megatron_dapo.data.packing import (
     pack_by_token_budget,
     pack_padded,
     pack_sequences,
-    pad_batch,
     pad_to_longest_waste,
     padding_waste,
     partition_karmarkar_karp,
@@ -209,45 +208,10 @@ def test_empty_micro_batch_is_a_zero_loss_dummy():
     assert (p.tokens == 3).all() and not p.valid_mask.any()
     assert p.cu_seqlens.tolist() == [0, 128] and p.unpack(p.tokens) == []
     assert pack_sequences([]).total_tokens == 1
-    d = pad_batch([], pad_id=3)
-    assert d.tokens.tolist() == [[3]] and d.num_sequences == 0 and not d.valid_mask.any()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # padded layout
-
-
-def test_pad_batch_by_hand():
-    p = pad_batch([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], pad_id=0)
-    assert p.tokens.tolist() == [[5, 6, 7], [8, 9, 0]] and p.offsets == [0, 3]
-    assert p.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
-    assert p.valid_mask.tolist() == [[True, True, True], [True, True, False]]
-    assert p.causal_mask()[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
-
-
-def test_padded_rows_under_one_causal_mask_equal_separate_attention():
-    """SDPA over right-padded rows with the shared causal mask (inverted: SDPA's True = attend) gives each real
-    token exactly what causal attention over its own sequence gives."""
-    torch.manual_seed(0)
-    lens = [5, 1, 7, 3]
-    p = pad_batch([torch.arange(n) for n in lens])
-    L, d = p.tokens.shape[1], 8
-    q, k, v = (torch.randn(len(lens), 2, L, d) for _ in range(3))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~p.causal_mask())
-    for j, n in enumerate(lens):
-        alone = torch.nn.functional.scaled_dot_product_attention(
-            q[j : j + 1, :, :n], k[j : j + 1, :, :n], v[j : j + 1, :, :n], is_causal=True
-        )
-        torch.testing.assert_close(out[j : j + 1, :, :n], alone)
-
-
-def test_mask_convention_is_megatrons():
-    """megatron-core fills scores where the mask is True (masked out): our mask must hide the future."""
-    from megatron.core.transformer.utils import attention_mask_func
-
-    mask = pad_batch([torch.arange(3)]).causal_mask()
-    hidden = attention_mask_func(torch.zeros(1, 1, 3, 3), mask) == -10000.0
-    assert hidden[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
 
 
 @pytest.mark.parametrize("seed,budget", [(0, 64), (1, 256), (2, 1000)])

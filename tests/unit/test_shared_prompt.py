@@ -41,6 +41,17 @@ def test_each_response_attends_exactly_as_in_a_row_of_its_own():
         start += r
 
 
+def test_mask_convention_is_megatrons_and_an_empty_micro_batch_is_a_dummy():
+    """megatron-core fills scores where the mask is True (masked out): our mask must hide the future."""
+    from megatron.core.transformer.utils import attention_mask_func
+
+    b = shared_prompt_batch([torch.arange(3)], [1], [[0]])
+    hidden = attention_mask_func(torch.zeros(1, 1, 3, 3), b.attention_mask) == -10000.0
+    assert hidden[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    d = shared_prompt_batch([], [], [])
+    assert d.tokens.tolist() == [[0]] and d.target_index.numel() == 0 and d.labels.numel() == 0
+
+
 def test_groups_and_the_flop_decision():
     prompts = [torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([1, 2])]
     assert prompt_groups(prompts) == [[0, 1], [2], [3]]
