@@ -30,7 +30,14 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config import ConfigError, DapoConfig, load_config
+from megatron_dapo.config import (
+    ConfigError,
+    DapoConfig,
+    check_divisible,
+    check_world_divides,
+    load_arch,
+    load_config,
+)
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -308,9 +315,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         rollout_nodes = []  # attach to servers that run elsewhere
     world = len(train_nodes) * tasks
     mp = p.tp * p.pp * p.cp
-    if world % mp:
-        raise ConfigError(f"parallel.tp x pp x cp = {p.tp}x{p.pp}x{p.cp} = {mp} does not divide the {world} trainer "
-                          f"ranks ({len(train_nodes)} nodes x {tasks} ranks)")  # fmt: skip
+    check_world_divides(p, world, f"trainer ranks ({len(train_nodes)} nodes x {tasks} ranks)")
+    check_divisible(load_arch(cfg.model.arch), p.tp, p.pp, prefix="parallel.")  # before servers spend minutes loading
     if gpu and gpus % r.sglang_tp:
         raise ConfigError(f"rollout.sglang_tp = {r.sglang_tp} must divide the {gpus} GPUs per node")
 
