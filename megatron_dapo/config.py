@@ -193,8 +193,11 @@ class ClusterConfig:
     container_mounts: list[str] = field(default_factory=list)
     nccl_socket_ifname: str | None = None
     ib_hca: str | None = None
-    master_port: int = 29500
-    server_port: int = 30000
+    # ports: by default from the job's block (megatron_dapo/ports.py); set these to pin them
+    port_base: int | None = None  # first port of the block; None = derived from the Slurm job id
+    master_port: int | None = None  # torch.distributed rendezvous
+    server_port: int | None = None  # the first SGLang server on a host (the k-th: + k)
+    fs_read_gbps: float = 2.0  # what the servers' weights load at, all together: scales the health wait
 
 
 @dataclass
