@@ -22,9 +22,14 @@ import signal
 from pathlib import Path
 
 META_FILE = "dapo_meta.json"
-STOP_FILE_ENV = "DAPO_STOP_FILE"
+STOP_FILE_ENV = "DAPO_STOP_FILE"  # the trainer's stop file (launch/stop.py writes it)
+SIGNAL_FILE_ENV = "DAPO_SIGNAL_FILE"  # slurm/common.sh touches it when the batch shell gets SIGUSR1
 EXIT_RESUMABLE = 75  # sysexits.h EX_TEMPFAIL: stopped early after saving; run again (--resume auto) to continue
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names it and the one that was kept."""
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -86,7 +91,3 @@ class StopRequest:
         if self.stop_file is not None and self.stop_file.exists():
             return f"stop file {self.stop_file}"
         return None
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (or read); the message names it and what was kept."""

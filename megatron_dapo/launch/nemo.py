@@ -56,7 +56,7 @@ def make_parser() -> argparse.ArgumentParser:
     test = ap.add_argument_group("passed on to the Slurm driver (testing and debugging)")
     test.add_argument("--log-dir")
     test.add_argument("--server-cmd")
-    test.add_argument("--trainer-cmd", help="template; {python} {server_urls} {log_dir}")
+    test.add_argument("--trainer-cmd", help="template; {python} {server_urls} {log_dir} {resume}")
     return ap
 
 
