@@ -48,9 +48,9 @@ from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this modul
     rank_exec,
     torch_env_from_slurm,
 )
-from megatron_dapo.launch.stop import StopRelay, allocation_name
+from megatron_dapo.launch.stop import StopRelay, allocation_name, requeue
 from megatron_dapo.ports import JobPorts, find_collisions
-from megatron_dapo.runs import STOP_FILE_ENV
+from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -113,6 +113,7 @@ class LaunchPlan:
         gpus = f"{self.gpus_per_node} GPUs each" if self.gpus_per_node else "CPU"
         lines = [
             f"DAPO launch plan: recipe {self.recipe}, model {self.model}, job {self.job_id or '(none: dry run)'}",
+            f"code: {Path(__file__).resolve().parents[1]} (run from {os.getcwd()})",
             f"placement: {self.placement}; rollout engine: {self.engine}; {len(self.nodes)} nodes, {gpus}",
             f"parallel: TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} (world {self.world_size} = "
             f"{len(self.train_nodes)} train nodes x {self.tasks_per_node} ranks)",
@@ -241,10 +242,11 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
             cmd.append(f"--gpus-per-node={gpus}")
         if cpus:
             cmd.append(f"--cpus-per-task={max(1, cpus * len(step_nodes) // ntasks)}")
-        if c.container_image:
-            cmd += [f"--container-image={c.container_image}", f"--container-workdir={os.getcwd()}"]
-            if c.container_mounts:
-                cmd.append(f"--container-mounts={','.join(c.container_mounts)}")
+        if c.container_image:  # the driver's directory (nemo-run: the packaged code) is the steps' code, mounted as is
+            cwd = os.getcwd()
+            mounts = ",".join([*c.container_mounts, f"{cwd}:{cwd}"])
+            cmd += [f"--container-image={c.container_image}", f"--container-workdir={cwd}"]
+            cmd.append(f"--container-mounts={mounts}")
         return cmd
 
     servers, seen_addr, port_uses = [], {}, {"rendezvous": (master_addr, master_port)}
@@ -332,11 +334,12 @@ class _Terminated(Exception):
 class Supervisor:
     """Runs a plan's steps as child srun processes; any failure tears every other step down at once."""
 
-    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None, report_s: float = 30):
+    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None, report_s: float = 30,
+                 stop_before_s: float = 0):  # fmt: skip
         self.plan, self.poll_s, self.grace_s, self.report_s = plan, poll_s, grace_s, report_s
         self.out = out or sys.stderr
         self.procs: list[tuple[Step, subprocess.Popen, str]] = []
-        self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg))
+        self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg), stop_before_s)
 
     def say(self, msg: str) -> None:
         print(f"[dapo launch {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -479,6 +482,10 @@ def make_parser() -> argparse.ArgumentParser:
                     "model and the number of servers, see launch/health.py)")  # fmt: skip
     ap.add_argument("--resume", default="auto", help="passed to dapo train: auto (default: the run's newest complete "
                     "checkpoint, if any), none, or a checkpoint directory")  # fmt: skip
+    ap.add_argument("--stop-before", type=float, help="stop the trainer (it saves) this many seconds before the job's "
+                    "time limit, read from scontrol (for a driver run as a job step: nemo-run)")  # fmt: skip
+    ap.add_argument("--requeue-on-stop", action="store_true", help="after a time-limit stop, requeue the job from "
+                    "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)")  # fmt: skip
     ap.add_argument("--nemo", action="store_true", help="submit through nemo-run instead (see launch/nemo.py)")
     test = ap.add_argument_group("testing and debugging (replace the real programs)")
     test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {log_dir}")
@@ -510,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.describe())
             return 0
         print(plan.describe(), file=sys.stderr, flush=True)
-        return Supervisor(plan).run()
+        supervisor = Supervisor(plan, stop_before_s=args.stop_before or 0)
+        rc = supervisor.run()
+        if rc == EXIT_RESUMABLE and args.requeue_on_stop:
+            requeue(plan.job_id, supervisor.say)
+        return rc
     except (ConfigError, LaunchError) as e:
         print(f"dapo launch: error: {e}", file=sys.stderr)
         return 2

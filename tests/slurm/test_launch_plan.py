@@ -201,7 +201,9 @@ def test_container_and_network_settings():
     plan = plan_for("cluster.container_image=nvcr.io/x/y:1", "cluster.container_mounts=[/a:/a,/b:/b]",
                     "cluster.nccl_socket_ifname=ib0", "cluster.ib_hca=mlx5", nodes=2)  # fmt: skip
     for step in [*plan.servers, plan.trainer]:
-        assert "--container-image=nvcr.io/x/y:1" in step.srun and "--container-mounts=/a:/a,/b:/b" in step.srun
+        here = os.getcwd()  # the code the steps run (the packaged copy under nemo-run) is mounted where it is
+        assert "--container-image=nvcr.io/x/y:1" in step.srun and f"--container-workdir={here}" in step.srun
+        assert f"--container-mounts=/a:/a,/b:/b,{here}:{here}" in step.srun
         assert step.command[0] == "python"  # the container's interpreter, not this venv's
     assert plan.env["NCCL_SOCKET_IFNAME"] == plan.env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert plan.env["NCCL_IB_HCA"] == "mlx5"

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -138,4 +139,25 @@ def test_health_wait_reports_progress(tmp_path, python):
     assert reports[0].startswith("0/1 servers healthy after ")
     assert (
         f"of {plan.health_timeout_s:.0f} s); waiting for\n    node1 (http://127.0.0.1:{port}): Loading " in reports[0]
+    )
+
+
+def test_end_time_watch_stops_before_the_limit(tmp_path, monkeypatch):
+    """A driver run as a job step (nemo-run) reads the job's end from scontrol and stops the trainer in time."""
+    from megatron_dapo.launch import stop
+
+    end = {"t": time.time() + 500}
+    monkeypatch.setattr(stop, "job_end_time", lambda job_id: end["t"] if job_id == "77" else None)
+    said: list[str] = []
+    relay = stop.StopRelay(tmp_path / "stop", tmp_path / "ckpt", 10, said.append, job_id="77", stop_before_s=120)
+    relay.poll()
+    assert relay.reason is None and not (tmp_path / "stop").exists()
+    end["t"] = time.time() + 100  # e.g. `scontrol update TimeLimit=...` shortened it; re-read every 60 s
+    relay._end_checked -= 61
+    relay.poll()
+    assert relay.reason.startswith("the time limit is ") and (tmp_path / "stop").read_text().startswith("the time")
+    assert relay.exit_code() == EXIT_RESUMABLE  # nothing saved yet: step 0 of 10
+    assert (
+        stop.StopRelay(tmp_path / "s2", tmp_path, 10, said.append, job_id=None, stop_before_s=120)._near_time_limit()
+        is None
     )
