@@ -437,18 +437,14 @@ def load_arch(name_or_path: str | Path) -> ArchConfig:
     return arch
 
 
+_ARCH_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
+
+
 def validate_arch(a: ArchConfig, source: str) -> None:
     def bad(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{source}: {key} = {getattr(a, key)!r}: {msg}")
 
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-    ):
+    for key in _ARCH_SIZES:
         if getattr(a, key) < 1:
             raise bad(key, "must be >= 1")
     if a.kv_channels is None and a.hidden_size % a.num_attention_heads:
@@ -460,20 +456,7 @@ def validate_arch(a: ArchConfig, source: str) -> None:
 def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
     """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
     RoPE base, norm epsilon)."""
-    for name in (
-        "family",
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-        "tie_embeddings",
-        "qkv_bias",
-        "head_dim",
-        "rope_theta",
-        "norm_eps",
-    ):
+    for name in ("family", *_ARCH_SIZES, "tie_embeddings", "qkv_bias", "head_dim", "rope_theta", "norm_eps"):
         a, b = getattr(expected, name), getattr(actual, name)
         if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
             if not math.isclose(float(a), float(b), rel_tol=1e-6):

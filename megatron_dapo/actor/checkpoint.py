@@ -84,10 +84,7 @@ def _has_optimizer_state(actor) -> bool:
 def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
     """What the checkpoint will take on disk: the size of the newest one in ``directory``, or, for the first, this
     model's tensors (+ Adam's two fp32 moments, + an fp32 master copy of 16-bit weights) over one data-parallel
-    replica."""
-    done = checkpoints(directory)
-    if done:
-        return dir_bytes(done[-1][1])
+    replica. Every rank takes part in the sum; rank 0's answer is the one used."""
     from megatron.core import parallel_state
 
     def per_param(p) -> int:
@@ -97,7 +94,8 @@ def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
     local = local if parallel_state.get_data_parallel_rank() == 0 else 0
     total = torch.tensor([local], dtype=torch.float64, device=actor.device)
     dist.all_reduce(total)
-    return int(total.item())
+    done = checkpoints(directory) if dist.get_rank() == 0 else []
+    return dir_bytes(done[-1][1]) if done else int(total.item())
 
 
 def _space_problem(directory: Path, need: int) -> str | None:
