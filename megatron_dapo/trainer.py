@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rich.progress import track
 
 from megatron_dapo import runs
+from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor, Sequence
 from megatron_dapo.algo.sampling import DynamicSampler
 from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, to_sequences
@@ -121,9 +122,9 @@ class Trainer:
         self.is_driver = is_driver()
         self.stop = stop or runs.StopRequest.from_env()
         self.stopped_early = False
+        self.resumed_from = self._resume_path(resume)  # checked before the model is built
         self.actor = MegatronActor(cfg, self.arch)
-        self.resumed_from: Path | None = None
-        self.start_step = self._restore(resume)
+        self.start_step = self._restore(self.resumed_from)
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -262,25 +263,26 @@ class Trainer:
                   flush=True)  # fmt: skip
         return True
 
-    def _restore(self, resume: str | None) -> int:
-        """``--resume auto``: the newest complete checkpoint of this run if there is one, else a fresh start from
-        ``model.load`` / ``model.hf_init``; ``none``: a fresh start (refused over a run that has checkpoints: its
-        metrics and checkpoints would mix with the new run's); a directory: that checkpoint. Returns the step to
-        continue after."""
+    def _resume_path(self, resume: str | None) -> Path | None:
+        """``--resume auto``: the newest complete checkpoint of this run, if there is one; ``none``: a fresh start,
+        refused over a run that has checkpoints (its metrics and checkpoints would mix with the new run's); a
+        directory: that checkpoint, which must hold this architecture."""
         latest = runs.latest_checkpoint(self.ckpt_dir)
-        path = None
         if resume in (None, "none"):
             if latest:
                 raise ConfigError(
                     f"--resume none: {self.ckpt_dir} already holds checkpoints of run {self.cfg.train.name!r} (up to "
                     f"step {latest[0]}): --resume auto continues it; for a new run set another train.name"
                 )
-        elif resume == "auto":
-            path = latest[1] if latest else None
-        else:
-            path = Path(resume)
-            if not runs.is_complete(path):
-                raise ConfigError(f"--resume {resume}: not a complete megatron-dapo checkpoint (no {runs.META_FILE})")
+            return None
+        path = (latest[1] if latest else None) if resume == "auto" else Path(resume)
+        if path is not None:
+            ckpt.check_arch(path, self.arch)
+        return path
+
+    def _restore(self, path: Path | None) -> int:
+        """Load the resume checkpoint (or ``model.load`` / ``model.hf_init`` for a fresh start); return the step to
+        continue after."""
         if path is None:
             if self.cfg.model.load:
                 self.actor.load(self.cfg.model.load, load_optimizer=False)
@@ -292,7 +294,6 @@ class Trainer:
         extra = self.actor.load(path)
         self.prompts.load_state_dict(extra["prompts"])
         self.sampler.load_state_dict(extra["sampler"])
-        self.resumed_from = path
         if is_driver():
             print(f"resuming from {path} (step {extra['step']})", flush=True)
         return int(extra["step"])

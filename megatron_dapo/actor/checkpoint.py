@@ -185,21 +185,29 @@ def save(actor, path, extra: dict) -> None:
     dist.barrier()
 
 
+def check_arch(path, arch: ArchConfig) -> dict:
+    """The checkpoint's metadata, once it is known to be a complete checkpoint of architecture ``arch`` (cheap: run it
+    before building a model); errors name the checkpoint and the first differing field."""
+    path = Path(path)
+    if not is_complete(path):
+        raise ConfigError(f"{path}: not a complete megatron-dapo checkpoint (no {META_FILE})")
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        saved = ArchConfig(**meta["arch"])
+    except TypeError as e:
+        raise ConfigError(f"{path}/{META_FILE}: unreadable architecture ({e})") from e
+    compare_arch(arch, saved, f"{path} (architecture {saved.name}) vs model.arch = {arch.name}")
+    return meta
+
+
 def load(actor, path, load_optimizer: bool = True) -> dict:
     """Load model (and optimizer, scheduler, RNG, step when present and asked); return the caller's ``extra``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not is_complete(path):
-        raise FileNotFoundError(f"{path}: not a complete megatron-dapo checkpoint (no {META_FILE})")
-    meta = read_meta(path)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    try:
-        saved = ArchConfig(**meta["arch"])
-    except TypeError as e:
-        raise ConfigError(f"{path}/{META_FILE}: unreadable architecture ({e})") from e
-    compare_arch(actor.arch, saved, f"{path} (architecture {saved.name}) vs model.arch = {actor.arch.name}")
+    meta = check_arch(path, actor.arch)
     model_sd = _model_sharded_state_dict(actor)
     request = {"model": model_sd}
     full = load_optimizer and meta.get("kind", "full") == "full"

@@ -34,8 +34,10 @@ def test_trainer_resumes_by_default():
         assert command.count("--resume") == 1 and command[command.index("--resume") + 1] == resume
 
 
-def test_two_jobs_on_the_same_nodes_use_disjoint_ports():
-    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8", "SLURM_CONF": "/nonexistent/slurm.conf"}
+def test_two_jobs_on_the_same_nodes_use_disjoint_ports(monkeypatch):
+    # node names are their addresses here (scontrol, without a cluster, can spend seconds on DNS before it fails)
+    monkeypatch.setattr("megatron_dapo.launch.slurm.node_address", lambda node: node)
+    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8"}
     used = []
     for job in ("4242", "4243"):
         plan = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.cp=1"]), env={**env, "SLURM_JOB_ID": job})

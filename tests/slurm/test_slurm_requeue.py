@@ -74,10 +74,10 @@ def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_interrupted_job_equals_uninterrupted_run(local_slurm, tmp_path):
-    """slurm/dapo_tiny_cpu.sbatch, 10 steps: SIGUSR1 to the batch shell after step 1 -> the trainer saves after its
+    """slurm/dapo_tiny_cpu.sbatch, 16 steps: SIGUSR1 to the batch shell after step 1 -> the trainer saves after its
     current step, the job requeues, the next allocation resumes; metrics.jsonl then equals (train/, eval/) an
     uninterrupted `dapo train` with the same seed and settings, step for step, each step once."""
-    steps = ["train.steps=10", *SMALL]
+    steps = ["train.steps=16", *SMALL]  # ~0.3 s each: the signal (~1 s to reach the trainer) lands mid-run
     ref_err = open(tmp_path / "ref.err", "w")  # noqa: SIM115 (closed below; a pipe could fill and block the run)
     # the overrides slurm/dapo_tiny_cpu.sbatch passes, then the test's (later ones win)
     script_args = ["--recipe", "demo_cpu", "parallel.tp=2", "train.steps=2", "train.save_interval=0",
@@ -100,13 +100,13 @@ def test_interrupted_job_equals_uninterrupted_run(local_slurm, tmp_path):
     assert reference.returncode == 0, _tail(tmp_path / "ref.err")
 
     first = [line for line in (run / f"slurm-{job}" / "trainer-0.log").read_text().splitlines() if "stopped" in line]
-    assert len(first) == 1 and re.match(r"stopped after step \d+ of 10 \(stop file ", first[0]), first
+    assert len(first) == 1 and re.match(r"stopped after step \d+ of 16 \(stop file ", first[0]), first
     stopped_at = int(first[0].split()[3])
-    assert 1 <= stopped_at < 10
+    assert 1 <= stopped_at < 16
     resumed = (run / f"slurm-{job}-r1" / "trainer-0.log").read_text()
     assert f"resuming from {run}/checkpoints/step_{stopped_at:06d} (step {stopped_at})" in resumed
     rows, ref = metrics(run), metrics(tmp_path / "ref" / "demo_cpu")
-    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 11))
+    assert [r["step"] for r in rows] == [r["step"] for r in ref] == list(range(1, 17))
     for mine, theirs in zip(rows, ref):
         keys = [k for k in theirs if k.startswith(HISTORY)]
         assert len(keys) > 10 and {k: mine.get(k) for k in keys} == {k: theirs[k] for k in keys}, mine["step"]
