@@ -1,6 +1,6 @@
 """``dapo`` — train | eval | report | convert | plan | launch.
 
-    dapo train --recipe demo_cpu [key=value ...] [--resume auto|DIR]
+    dapo train --recipe demo_cpu [key=value ...] [--resume auto|none|DIR]
     dapo eval --load DIR --data PARQUET [--n 32] [--samples-out FILE] [key=value ...]
     dapo report RUN_DIR
     dapo convert hf-to-megatron|megatron-to-hf ...      (tools/convert_*.py)
@@ -13,6 +13,7 @@ Multi-process training: ``torchrun --nproc-per-node N -m megatron_dapo.cli train
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -21,12 +22,15 @@ from megatron_dapo.data.dataset import DataError
 
 
 def _train(args) -> int:
+    from megatron_dapo.runs import StopRequest
+
+    stop = StopRequest.from_env().install()  # first: a SIGUSR1 during the slow imports below must not kill the rank
     from megatron_dapo.trainer import Trainer
 
     cfg = load_config(args.recipe, args.overrides)
-    trainer = Trainer(cfg, resume=args.resume)
+    trainer = Trainer(cfg, resume=args.resume, stop=stop)
     trainer.run()
-    if trainer.is_driver:
+    if trainer.is_driver and not trainer.stopped_early:
         run = trainer.run_dir
         print(f"\ncheckpoints: {run / 'checkpoints'}\nHF model:    {run / 'hf'}\nmetrics:     {run / 'metrics.jsonl'}")
         from megatron_dapo.report import make_report
@@ -38,8 +42,13 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from megatron_dapo.evaluate import evaluate_checkpoint
 
-    overrides = [f"eval.files=[{args.data}]", f"eval.n={args.n}", *args.overrides]
-    cfg = load_config(args.recipe, overrides)
+    cfg = load_config(args.recipe, [f"eval.files=[{args.data}]", *args.overrides])
+    if cfg.eval.greedy and args.n is not None:
+        raise ConfigError(f"--n {args.n} would be ignored: eval.greedy = true (one greedy sample per problem)")
+    if not cfg.eval.greedy:
+        if (args.n or 32) < 1:
+            raise ConfigError(f"--n {args.n}: must be >= 1")
+        cfg.eval.n = args.n or 32  # avg@32 unless told: the AIME protocol, not the recipe's in-training eval.n
     results = evaluate_checkpoint(cfg, args.load, samples_out=args.samples_out)
     for key, value in sorted(results.items()):
         print(f"{key:40s} {value:.4f}")
@@ -92,14 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run DAPO training from a recipe")
     p.add_argument("--recipe", default="demo_cpu", help="recipe name (megatron_dapo/recipes/) or YAML path")
-    p.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint of the run, or a directory")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (default): continue from the run's newest complete checkpoint, if any; none: start fresh (refused "
+        "when the run already has checkpoints); or a checkpoint directory",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.eps_high=0.3 train.steps=10")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint: avg@k, pass@k, maj@k per data_source")
     p.add_argument("--load", required=True, help="megatron-dapo checkpoint directory")
     p.add_argument("--data", required=True, help="parquet in the DAPO schema (e.g. aime-2024.parquet)")
-    p.add_argument("--n", type=int, default=32, help="samples per problem")
+    p.add_argument("--n", type=int, default=None, help="samples per problem (default 32)")
     p.add_argument("--recipe", default="demo_cpu", help="recipe for the model/rollout settings")
     p.add_argument("--samples-out", help="also write every scored sample (prompt, response, score) to this JSONL")
     p.add_argument("overrides", nargs="*")
@@ -129,9 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, FileNotFoundError) as e:  # bad input, found before compute
+        return _fail(e, 2)
+    except RuntimeError as e:  # expected run-time failures: one line, no traceback; anything else keeps its traceback
+        if not {c.__name__ for c in type(e).__mro__} & EXPECTED_RUNTIME_ERRORS:
+            raise
+        return _fail(e, 1)
+
+
+# Failures the run reports in words (each message names what failed and what to do): no traceback, from rank 0 only
+# (every rank raises the same error, see trainer.on_driver). By class name (or a base's): their modules import torch.
+EXPECTED_RUNTIME_ERRORS = {"DynamicSamplingError", "LogprobGapError", "WeightSyncError", "RolloutError",
+                           "CheckpointError", "DriverError"}  # fmt: skip
+
+
+def _fail(e: Exception, code: int) -> int:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ A recipe is a YAML file (or the name of one in ``megatron_dapo/recipes/``) whose
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ class DataConfig:
     synthetic_train_size: int = 20000
     synthetic_eval_size: int = 200
     max_prompt_len: int = 2048
+    prompt_overflow: Literal["truncate", "error"] = "truncate"  # longer prompts: cut from the left (counted) | refuse
     shuffle: bool = True
     apply_chat_template: bool = True
 
@@ -201,8 +203,11 @@ class ClusterConfig:
     container_mounts: list[str] = field(default_factory=list)
     nccl_socket_ifname: str | None = None
     ib_hca: str | None = None
-    master_port: int = 29500
-    server_port: int = 30000
+    # ports: by default from the job's block (megatron_dapo/ports.py); set these to pin them
+    port_base: int | None = None  # first port of the block; None = derived from the Slurm job id
+    master_port: int | None = None  # torch.distributed rendezvous
+    server_port: int | None = None  # the first SGLang server on a host (the k-th: + k)
+    fs_read_gbps: float = 2.0  # what the servers' weights load at, all together: scales the health wait
 
 
 @dataclass
@@ -368,7 +373,40 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         _from_dict(DapoConfig, data, f"command line ({key})")
     cfg = _from_dict(DapoConfig, data, source)
     validate(cfg, source)
+    check_unused_overrides(cfg, [parse_override(text) for text in overrides or []])
     return cfg
+
+
+# Settings a run ignores under some other setting: key -> (ignored?, why). A command-line override of one of them is
+# an error (the user meant it to change the run); a recipe may keep them for when the other setting is switched.
+_SYNTHETIC = (lambda c: c.data.synthetic == "none", "data.synthetic = 'none'")
+_NO_WARMUP = (lambda c: not c.train.supervised_warmup_steps, "train.supervised_warmup_steps = 0")
+_NOT_SGLANG = (lambda c: c.rollout.engine != "sglang", "rollout.engine = {rollout.engine!r}")
+_NO_OVERLONG = (lambda c: not c.algo.overlong_penalty, "algo.overlong_penalty = false")
+_GREEDY = (lambda c: c.eval.greedy, "eval.greedy = true (one greedy sample per problem)")
+_IGNORED_WHEN = {
+    "data.train_files": (lambda c: c.data.synthetic != "none",
+                         "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)"),
+    "data.synthetic_train_size": _SYNTHETIC, "data.synthetic_eval_size": _SYNTHETIC,
+    "train.supervised_lr": _NO_WARMUP, "train.supervised_batch": _NO_WARMUP, "train.supervised_stop_acc": _NO_WARMUP,
+    "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
+    "rollout.server_urls": _NOT_SGLANG, "rollout.sglang_tp": _NOT_SGLANG, "rollout.mem_fraction": _NOT_SGLANG,
+    "rollout.max_concurrency": _NOT_SGLANG,
+    "algo.overlong_cache": _NO_OVERLONG, "algo.overlong_penalty_factor": _NO_OVERLONG,
+    "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
+    "algo.tis_cap": (lambda c: not c.tis_enabled, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
+    "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
+    "eval.n": _GREEDY, "eval.temperature": _GREEDY, "eval.top_p": _GREEDY,
+}  # fmt: skip
+
+
+def check_unused_overrides(cfg: DapoConfig, overrides: list[tuple[str, Any]]) -> None:
+    """An override the run would silently ignore is an error naming it and the setting that makes it unused."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # "{data.synthetic!r}" in the reasons
+    for key, value in overrides:
+        ignored, why = _IGNORED_WHEN.get(key, (lambda c: False, ""))
+        if ignored(cfg):
+            raise ConfigError(f"command line: {key} = {value!r} would be ignored: {why.format(**sections)}")
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -409,24 +447,54 @@ def load_arch(name_or_path: str | Path) -> ArchConfig:
     return arch
 
 
+_ARCH_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
+
+
 def validate_arch(a: ArchConfig, source: str) -> None:
     def bad(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{source}: {key} = {getattr(a, key)!r}: {msg}")
 
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-    ):
+    for key in _ARCH_SIZES:
         if getattr(a, key) < 1:
             raise bad(key, "must be >= 1")
     if a.kv_channels is None and a.hidden_size % a.num_attention_heads:
         raise bad("hidden_size", f"must be divisible by num_attention_heads ({a.num_attention_heads})")
     if a.num_attention_heads % a.num_query_groups:
         raise bad("num_query_groups", f"must divide num_attention_heads ({a.num_attention_heads})")
+
+
+def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
+    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
+    RoPE base, norm epsilon)."""
+    for name in ("family", *_ARCH_SIZES, "tie_embeddings", "qkv_bias", "head_dim", "rope_theta", "norm_eps"):
+        a, b = getattr(expected, name), getattr(actual, name)
+        if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
+            if not math.isclose(float(a), float(b), rel_tol=1e-6):
+                raise ConfigError(f"{source}: {name} mismatch: model config has {a!r}, checkpoint has {b!r}")
+        elif a != b:
+            raise ConfigError(f"{source}: {name} mismatch: model config has {a!r}, checkpoint has {b!r}")
+
+
+def check_divisible(arch: ArchConfig, tp: int, pp: int, prefix: str = "") -> None:
+    """The TP/PP sizes ``arch`` can be split into (megatron-core splits the KV groups, the FFN width and the layers
+    evenly); the message names the size, as ``{prefix}tp`` (``prefix="parallel."`` for a run configuration)."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"{prefix}tp = {tp}, {prefix}pp = {pp}: must be >= 1")
+    if arch.num_query_groups % tp:
+        raise ConfigError(f"{prefix}tp = {tp}: must divide the KV groups of {arch.name} ({arch.num_query_groups})")
+    if arch.ffn_hidden_size % tp:
+        raise ConfigError(f"{prefix}tp = {tp}: must divide ffn_hidden_size of {arch.name} ({arch.ffn_hidden_size})")
+    if arch.num_layers % pp:
+        raise ConfigError(f"{prefix}pp = {pp}: must divide the layers of {arch.name} ({arch.num_layers})")
+
+
+def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
+    mp = parallel.tp * parallel.pp * parallel.cp
+    if world % mp:
+        raise ConfigError(
+            f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
+            f"{what}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------

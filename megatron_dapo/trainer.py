@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from rich.progress import track
 
+from megatron_dapo import runs
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor, Sequence
 from megatron_dapo.algo.sampling import DynamicSampler, PromptOrderCollector
 from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, to_sequences
-from megatron_dapo.config import DapoConfig, load_arch, save_config
+from megatron_dapo.config import ConfigError, DapoConfig, load_arch, save_config
 from megatron_dapo.data.dataset import PromptIterator, build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.evaluate import run_eval
@@ -41,6 +42,28 @@ def is_driver() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class DriverError(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in work only it does (rollout, eval, weight sync)."""
+
+
+def on_driver(fn, *args):
+    """``fn(*args)`` on rank 0 only; its result on every rank. If it raises, every rank raises: rank 0 the error
+    itself, the others a ``DriverError`` with its message, so no rank is left waiting in a collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args)
+    outcome = None
+    if is_driver():
+        try:
+            outcome = ("ok", fn(*args))
+        except Exception as e:
+            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
+            raise
+    kind, value = broadcast(outcome)
+    if kind == "error":
+        raise DriverError(value)
+    return value
+
+
 class RolloutDriver:
     """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export."""
 
@@ -60,8 +83,7 @@ class RolloutDriver:
         if self.sync is None:
             for _ in buckets:  # take part in the gathers
                 pass
-            return {}
-        return self.sync.sync(buckets, version).metrics()
+        return on_driver(lambda: self.sync.sync(buckets, version).metrics())
 
 
 def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
@@ -79,28 +101,40 @@ def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
 
 
 class Trainer:
-    def __init__(self, cfg: DapoConfig, resume: str | None = None):
+    def __init__(self, cfg: DapoConfig, resume: str | None = "auto", stop: runs.StopRequest | None = None):
         self.cfg = cfg
         self.arch = load_arch(cfg.model.arch)
+        if cfg.model.hf_init:  # an HF checkpoint of another architecture: an error now, not after building the model
+            from megatron_dapo.bridge.hf_config import check_hf_dir
+
+            check_hf_dir(self.arch, cfg.model.hf_init)
         self.run_dir = Path(cfg.train.run_dir) / cfg.train.name
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
         self.train_data, self.eval_data = build_prompt_datasets(cfg, self.tokenizer)  # fails before any compute
+        cut = {name: ds.num_truncated for name, ds in {"train": self.train_data, **self.eval_data}.items()}
+        if any(cut.values()) and is_driver():
+            print(f"data: prompts longer than data.max_prompt_len = {cfg.data.max_prompt_len} tokens, cut from the "
+                  f"left: {', '.join(f'{n} of {name}' for name, n in cut.items() if n)}", flush=True)  # fmt: skip
         self.prompts = PromptIterator(self.train_data, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.sampler = DynamicSampler(
             cfg.train.batch_prompts, cfg.algo.max_gen_batches, enabled=cfg.algo.dynamic_sampling
         )
         self.is_driver = is_driver()
+        self.stop = stop or runs.StopRequest.from_env()
+        self.stopped_early = False
+        self.resumed_from = self._resume_path(resume)  # checked before the model is built
         self.actor = MegatronActor(cfg, self.arch)
-        self.start_step = self._restore(resume)
+        self.start_step = self._restore(self.resumed_from)
         self.samples_generated = 0  # this run's, for train.sample_budget
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir)
         self.scorer = RewardScorer() if is_driver() else None
+        resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
         self.logger = (
-            MetricsLogger(self.run_dir, wandb_project=cfg.train.wandb_project, config=cfg, resume=self.start_step)
+            MetricsLogger(self.run_dir, wandb_project=cfg.train.wandb_project, config=cfg, resume=resume_log)
             if is_driver()
             else None
         )
@@ -118,7 +152,7 @@ class Trainer:
             times: dict[str, float] = {}
             with Timer("step", times):
                 with Timer("rollout", times):
-                    groups, sampling_stats = broadcast(self.collect_groups(step) if is_driver() else None)
+                    groups, sampling_stats = on_driver(self.collect_groups, step)
                 self.samples_generated += sampling_stats["samples_generated"]
                 final = step == cfg.train.steps or self._budget_spent(started)
                 seqs, metrics = to_sequences(groups, cfg)
@@ -132,18 +166,19 @@ class Trainer:
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
                     with Timer("eval", times):
                         metrics.update(self.evaluate(step))
-                if cfg.train.save_interval and step % cfg.train.save_interval == 0 or final:
+                saved = cfg.train.save_interval and step % cfg.train.save_interval == 0 or final
+                if saved:
                     with Timer("save", times):
                         self.save(step)
             metrics.update({f"train/{k}": float(v) for k, v in sampling_stats.items() if not k.startswith("total_")})
             metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
             last = self.log(step, metrics)
-            if final:
+            if final or self._stop_after(step, saved):
                 break
         if cfg.train.steps == 0 and self.start_step == 0:  # a run of no RL steps keeps what it has (the warm start)
             self.save(0)
-        if cfg.train.export_hf and self.start_step < cfg.train.steps:
+        if cfg.train.export_hf and self.start_step < cfg.train.steps and not self.stopped_early:
             self.export_hf(self.run_dir / "hf")
         if self.logger:
             self.logger.close()
@@ -187,11 +222,12 @@ class Trainer:
         return batch, stats
 
     def evaluate(self, step: int) -> dict[str, float]:
-        if not is_driver():
-            return {}
+        """Held-out eval on rank 0; the metrics on every rank."""
         max_new = self.cfg.rollout.sampling.max_new_tokens
-        return run_eval(
-            self.rollout.engine, self.scorer, self.eval_data, self.cfg.eval, max_new, self.cfg.train.seed + step
+        return on_driver(
+            lambda: run_eval(
+                self.rollout.engine, self.scorer, self.eval_data, self.cfg.eval, max_new, self.cfg.train.seed + step
+            )
         )
 
     def warm_start(self) -> None:
@@ -218,7 +254,7 @@ class Trainer:
                 or out_of_time
             ):
                 self.rollout.sync_weights(self.actor, version=0)
-                acc = broadcast(self.evaluate(0) if is_driver() else None)
+                acc = self.evaluate(0)
                 score = min((v for key, v in acc.items() if "/avg@" in key), default=0.0)
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
                 if score >= t.supervised_stop_acc or out_of_time:
@@ -229,24 +265,47 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         extra = {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict(), "step": step}
-        self.actor.save(self.ckpt_dir / f"step_{step:06d}", extra=extra)
-        if is_driver():  # keep the newest train.keep_checkpoints
-            done = sorted(p for p in self.ckpt_dir.glob("step_*") if ckpt.is_complete(p))
-            for old in done[: -self.cfg.train.keep_checkpoints or None] if self.cfg.train.keep_checkpoints else []:
+        self.actor.save(self.ckpt_dir / runs.checkpoint_dir_name(step), extra=extra)
+        if is_driver() and self.cfg.train.keep_checkpoints:  # keep the newest train.keep_checkpoints, by step number
+            for _, old in runs.checkpoints(self.ckpt_dir)[: -self.cfg.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
 
-    def _restore(self, resume: str | None) -> int:
-        """Load ``model.load`` / ``--resume auto|DIR``; return the step to continue after."""
-        path = None
-        if resume == "auto":
-            done = (
-                sorted(p for p in self.ckpt_dir.glob("step_*") if ckpt.is_complete(p)) if self.ckpt_dir.exists() else []
-            )
-            path = done[-1] if done else None
-        elif resume:
-            path = Path(resume)
+    def _stop_after(self, step: int, saved: bool) -> bool:
+        """A stop was asked for (the time-limit signal): save now unless this step just did, and stop the loop."""
+        reason = broadcast(self.stop.requested() if is_driver() else None)
+        if not reason:
+            return False
+        if not saved:
+            self.save(step)
+        self.stopped_early = True
+        if is_driver():
+            print(f"stopped after step {step} of {self.cfg.train.steps} ({reason}); saved "
+                  f"{self.ckpt_dir / runs.checkpoint_dir_name(step)}: run again with --resume auto to continue",
+                  flush=True)  # fmt: skip
+        return True
+
+    def _resume_path(self, resume: str | None) -> Path | None:
+        """``--resume auto``: the newest complete checkpoint of this run, if there is one; ``none``: a fresh start,
+        refused over a run that has checkpoints (its metrics and checkpoints would mix with the new run's); a
+        directory: that checkpoint, which must hold this architecture."""
+        latest = runs.latest_checkpoint(self.ckpt_dir)
+        if resume in (None, "none"):
+            if latest:
+                raise ConfigError(
+                    f"--resume none: {self.ckpt_dir} already holds checkpoints of run {self.cfg.train.name!r} (up to "
+                    f"step {latest[0]}): --resume auto continues it; for a new run set another train.name"
+                )
+            return None
+        path = (latest[1] if latest else None) if resume == "auto" else Path(resume)
+        if path is not None:
+            ckpt.check_arch(path, self.arch)
+        return path
+
+    def _restore(self, path: Path | None) -> int:
+        """Load the resume checkpoint (or ``model.load`` / ``model.hf_init`` for a fresh start); return the step to
+        continue after."""
         if path is None:
             if self.cfg.model.load:
                 self.actor.load(self.cfg.model.load, load_optimizer=False)
@@ -258,6 +317,8 @@ class Trainer:
         extra = self.actor.load(path)
         self.prompts.load_state_dict(extra["prompts"])
         self.sampler.load_state_dict(extra["sampler"])
+        if is_driver():
+            print(f"resuming from {path} (step {extra['step']})", flush=True)
         return int(extra["step"])
 
     def log(self, step: int, metrics: dict, persist: bool = True) -> dict:

@@ -1,4 +1,9 @@
-# Sourced by slurm/*.sbatch: environment, `phase NAME` logging with timestamps, fail-fast traps, `dapo_launch`.
+# Sourced by slurm/*.sbatch: environment, `phase NAME` logging with timestamps, fail-fast traps, `dapo_launch`, and the
+# time-limit protocol: the scripts ask Slurm for SIGUSR1 on this shell T seconds before the limit
+# (#SBATCH --signal=B:USR1@T, T >= one DAPO step + one checkpoint save). The trap below leaves a file the driver
+# watches ($DAPO_SIGNAL_FILE); the trainer saves after its current step, the driver exits 75, and dapo_launch requeues
+# the job (same id and options; the next allocation resumes from the checkpoint with --resume auto). DAPO_REQUEUE=0:
+# exit 75 instead, for a wrapper that resubmits.
 #
 # sbatch copies the job script to a spool directory, so the scripts find this file (and the repository) through
 # $DAPO_ROOT, default: the directory sbatch was called from. Submit from the repository root, or export DAPO_ROOT.
@@ -39,15 +44,47 @@ _dapo_on_error() {
 }
 _dapo_on_exit() {
     local rc=$?
+    rm -f "$DAPO_SIGNAL_FILE"
     printf '[%s +%ds] job %s ended with exit code %d (phase %s)\n' "$(date '+%F %T')" \
         $(($(date +%s) - _DAPO_T0)) "${SLURM_JOB_ID:-?}" "$rc" "$_DAPO_PHASE" >&2
 }
+DAPO_SIGNAL_FILE=$(mktemp -u "${TMPDIR:-/tmp}/dapo-signal-${SLURM_JOB_ID:-$$}.XXXXXX")
+export DAPO_SIGNAL_FILE
+_dapo_on_usr1() {
+    printf '[%s +%ds] SIGUSR1 (time limit near): the trainer saves after its current step\n' "$(date '+%F %T')" \
+        $(($(date +%s) - _DAPO_T0)) >&2
+    : >"$DAPO_SIGNAL_FILE"
+}
 trap '_dapo_on_error $LINENO "$BASH_COMMAND"' ERR
 trap _dapo_on_exit EXIT
+trap _dapo_on_usr1 USR1
 
-# dapo_launch ARGS...: the in-allocation driver (= `dapo launch`): SGLang servers, trainer step, fail fast.
+# dapo_launch ARGS...: the in-allocation driver (= `dapo launch`): SGLang servers, trainer step, fail fast. It runs in
+# the background because bash runs a trap only once the foreground command has ended; exit 75 (stopped early, saved)
+# requeues the job.
 dapo_launch() {
-    "$PYTHON" -m megatron_dapo.launch.slurm "$@"
+    local pid rc again
+    "$PYTHON" -m megatron_dapo.launch.slurm "$@" &
+    pid=$!
+    while :; do
+        rc=0
+        wait "$pid" || rc=$?
+        ((rc > 128)) || break
+        kill -0 "$pid" 2>/dev/null && continue # the USR1 trap interrupted wait; the driver runs on
+        again=0
+        wait "$pid" 2>/dev/null || again=$? # the driver ended as the trap ran: its own status, if bash kept it
+        ((again == 127)) || rc=$again
+        break
+    done
+    if ((rc == 75)) && [[ ${DAPO_REQUEUE:-1} == 1 && -n ${SLURM_JOB_ID:-} ]]; then
+        phase "requeue: job $SLURM_JOB_ID stopped before its time limit after saving; it resumes from the checkpoint"
+        if scontrol requeue "$SLURM_JOB_ID"; then
+            sleep 600 & # Slurm ends this allocation now; wait for it
+            wait $! || true
+        fi
+        printf 'scontrol requeue %s failed: resubmit the job; it resumes from its checkpoint\n' "$SLURM_JOB_ID" >&2
+    fi
+    return "$rc"
 }
 
 phase "job ${SLURM_JOB_ID:-(no Slurm job)}: ${SLURM_JOB_NUM_NODES:-?} nodes (${SLURM_JOB_NODELIST:-?}),\

@@ -161,7 +161,9 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$PORT_BASE
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$STATE/munge/munge.socket.2
+# cred_expire: also how long a requeued job waits before it may start again; Slurm's default (120 s) would make every
+# requeue in the tests wait two minutes. Steps here start well within 20 s of their credential.
+AuthInfo=socket=$STATE/munge/munge.socket.2,cred_expire=20
 SlurmUser=root
 SlurmdUser=root
 ProctrackType=proctrack/linuxproc

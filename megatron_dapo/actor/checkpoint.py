@@ -16,12 +16,14 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor.dist import rng_state, set_rng_state
+from megatron_dapo.config import ArchConfig, ConfigError, compare_arch
+from megatron_dapo.runs import META_FILE, CheckpointError, checkpoints, dir_bytes, is_complete
 
 FORMAT = "megatron-dapo/1"
-META_FILE = "dapo_meta.json"
 # TE spec key suffix -> canonical (local spec) key suffix
 _TE_TO_CANONICAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -69,10 +71,6 @@ def _rng_object(state=None):
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
-def is_complete(path) -> bool:
-    return (Path(path) / META_FILE).is_file()
-
-
 def read_meta(path) -> dict:
     return json.loads((Path(path) / META_FILE).read_text())
 
@@ -83,17 +81,63 @@ def _has_optimizer_state(actor) -> bool:
     return any(len(o.optimizer.state) for o in opts)
 
 
+def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
+    """What the checkpoint will take on disk: the size of the newest one in ``directory``, or, for the first, this
+    model's tensors (+ Adam's two fp32 moments, + an fp32 master copy of 16-bit weights) over one data-parallel
+    replica. Every rank takes part in the sum; rank 0's answer is the one used."""
+    from megatron.core import parallel_state
+
+    def per_param(p) -> int:
+        return p.element_size() + ((8 + (4 if p.element_size() < 4 else 0)) if has_optimizer else 0)
+
+    local = sum(p.numel() * per_param(p) for _, p in actor.named_parameters())
+    local = local if parallel_state.get_data_parallel_rank() == 0 else 0
+    total = torch.tensor([local], dtype=torch.float64, device=actor.device)
+    dist.all_reduce(total)
+    done = checkpoints(directory) if dist.get_rank() == 0 else []
+    return dir_bytes(done[-1][1]) if done else int(total.item())
+
+
+def _space_problem(directory: Path, need: int) -> str | None:
+    free = shutil.disk_usage(directory).free
+    if free >= need * 1.05 + (1 << 20):
+        return None
+    return f"{free / 2**20:.1f} MiB free on the device of {directory}, about {need / 2**20:.1f} MiB needed"
+
+
+def _fail_save(path: Path, tmp: Path, why: str) -> CheckpointError:
+    """Drop the partial write; the error names what was kept (the newest complete checkpoint beside it)."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = checkpoints(path.parent)
+    kept_msg = f"the previous checkpoint {kept[-1][1]} is kept" if kept else "there is no earlier checkpoint"
+    return CheckpointError(f"checkpoint {path} was not written ({why}); {kept_msg}")
+
+
 def save(actor, path, extra: dict) -> None:
+    """Write to ``.<name>.tmp`` and rename when complete. Refused up front when the filesystem lacks the space; a
+    failed write (disk full, quota) removes the partial directory: either way the earlier checkpoints stay and a
+    ``CheckpointError`` (on every rank) says so."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
+    has_optimizer = _has_optimizer_state(actor)
+    need = _estimated_bytes(actor, has_optimizer, path.parent)
+    problem = None
     if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        problem = _space_problem(path.parent, need)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise _fail_save(path, tmp, box[0])
+    if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd = _model_sharded_state_dict(actor)
-    has_optimizer = _has_optimizer_state(actor)
     state = {
         "model": model_sd,
         "optimizer": actor.optimizer.sharded_state_dict(model_sd) if has_optimizer else {},
@@ -104,8 +148,18 @@ def save(actor, path, extra: dict) -> None:
         "extra": extra,
     }
     use_forked_results_queue()
-    dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
+    error = None
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except (OSError, CheckpointException) as e:  # CheckpointException is a BaseException
+        # a full disk reads e.g. "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+        error = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # a failure of one rank (e.g. rank 0's metadata write) fails them all
+    failed = [(rank, err) for rank, err in enumerate(errors) if err]
+    if failed:
+        space = _space_problem(path.parent, need)
+        raise _fail_save(path, tmp, f"no space left: {space}" if space else f"rank {failed[0][0]}: {failed[0][1]}")
     if dist.get_rank() == 0:
         meta = {
             "format": FORMAT,
@@ -131,18 +185,29 @@ def save(actor, path, extra: dict) -> None:
     dist.barrier()
 
 
+def check_arch(path, arch: ArchConfig) -> dict:
+    """The checkpoint's metadata, once it is known to be a complete checkpoint of architecture ``arch`` (cheap: run it
+    before building a model); errors name the checkpoint and the first differing field."""
+    path = Path(path)
+    if not is_complete(path):
+        raise ConfigError(f"{path}: not a complete megatron-dapo checkpoint (no {META_FILE})")
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        saved = ArchConfig(**meta["arch"])
+    except TypeError as e:
+        raise ConfigError(f"{path}/{META_FILE}: unreadable architecture ({e})") from e
+    compare_arch(arch, saved, f"{path} (architecture {saved.name}) vs model.arch = {arch.name}")
+    return meta
+
+
 def load(actor, path, load_optimizer: bool = True) -> dict:
     """Load model (and optimizer, scheduler, RNG, step when present and asked); return the caller's ``extra``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not is_complete(path):
-        raise FileNotFoundError(f"{path}: not a complete megatron-dapo checkpoint (no {META_FILE})")
-    meta = read_meta(path)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if meta["arch"]["vocab_size"] != actor.arch.vocab_size or meta["arch"]["num_layers"] != actor.arch.num_layers:
-        raise ValueError(f"{path}: checkpoint architecture {meta['arch']['name']} does not match {actor.arch.name}")
+    meta = check_arch(path, actor.arch)
     model_sd = _model_sharded_state_dict(actor)
     request = {"model": model_sd}
     full = load_optimizer and meta.get("kind", "full") == "full"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor.cpu import apply_cpu_shims
-from megatron_dapo.config import ParallelConfig
+from megatron_dapo.config import ParallelConfig, check_world_divides
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,11 +50,7 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> None
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    model_parallel = parallel.tp * parallel.pp * parallel.cp
-    if world % model_parallel:
-        raise ValueError(
-            f"world size {world} is not divisible by parallel.tp × parallel.pp × parallel.cp = {model_parallel}"
-        )
+    check_world_divides(parallel, world)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

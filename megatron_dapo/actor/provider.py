@@ -12,7 +12,14 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
+from megatron_dapo.config import (
+    ArchConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    check_divisible,
+    padded_vocab_size,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,14 +86,7 @@ def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchC
         raise ConfigError("parallel.sequence_parallel = true: needs Transformer Engine (GPU)")
     if model_cfg.fp8 and not te:
         raise ConfigError(f"model.fp8 = {model_cfg.fp8!r}: FP8 needs Transformer Engine (GPU)")
-    if arch.num_query_groups % parallel.tp:
-        raise ConfigError(
-            f"parallel.tp = {parallel.tp}: must divide the KV groups of {arch.name} ({arch.num_query_groups})"
-        )
-    if arch.num_layers % parallel.pp:
-        raise ConfigError(f"parallel.pp = {parallel.pp}: must divide the layers of {arch.name} ({arch.num_layers})")
-    if arch.ffn_hidden_size % parallel.tp:
-        raise ConfigError(f"parallel.tp = {parallel.tp}: must divide ffn_hidden_size of {arch.name}")
+    check_divisible(arch, parallel.tp, parallel.pp, prefix="parallel.")
 
 
 def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig):

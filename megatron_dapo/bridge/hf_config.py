@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from megatron_dapo.config import ArchConfig, ConfigError
+from megatron_dapo.config import ArchConfig, ConfigError, compare_arch
 
 # Per family: HF architecture class, model_type, and the config.json fields that are fixed for the family.
 FAMILIES = {
@@ -84,29 +83,10 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
-    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
-    RoPE base, norm epsilon)."""
-    for field in (
-        "family",
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-        "tie_embeddings",
-        "qkv_bias",
-        "head_dim",
-        "rope_theta",
-        "norm_eps",
-    ):
-        a, b = getattr(expected, field), getattr(actual, field)
-        if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
-            if not math.isclose(float(a), float(b), rel_tol=1e-6):
-                raise ConfigError(f"{source}: {field} mismatch: model config has {a!r}, checkpoint has {b!r}")
-        elif a != b:
-            raise ConfigError(f"{source}: {field} mismatch: model config has {a!r}, checkpoint has {b!r}")
+def check_hf_dir(arch: ArchConfig, hf_dir: str | Path, key: str = "model.hf_init") -> None:
+    """Raise before any compute when the HF checkpoint in ``hf_dir`` is not of architecture ``arch``."""
+    hf_arch = arch_from_hf(read_hf_config(hf_dir), source=f"{key} = {hf_dir}: config.json")
+    compare_arch(arch, hf_arch, f"{key} = {hf_dir}: config.json vs model.arch = {arch.name}")
 
 
 def transformers_config(arch: ArchConfig, dtype: str = "float32"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.bridge.convert import hf_weight_files, read_st_header, read_st_tensor
-from megatron_dapo.bridge.hf_config import arch_from_hf, compare_arch, read_hf_config
+from megatron_dapo.bridge.hf_config import check_hf_dir
 from megatron_dapo.bridge.mappings import Param
 from megatron_dapo.bridge.reshard import local_name, split_tp, stage_params
 from megatron_dapo.config import ArchConfig, ConfigError
@@ -19,7 +19,7 @@ def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: b
     from megatron.core import parallel_state as ps
 
     hf_dir = Path(hf_dir)
-    compare_arch(arch, arch_from_hf(read_hf_config(hf_dir), source=str(hf_dir)), str(hf_dir / "config.json"))
+    check_hf_dir(arch, hf_dir)
     entries = {}
     for f in hf_weight_files(hf_dir):
         entries.update(read_st_header(f))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.bridge.mappings import Param, canonical_name, spec_name, split_layer, table_for
-from megatron_dapo.config import ArchConfig, ConfigError, padded_vocab_size
+from megatron_dapo.config import ArchConfig, ConfigError, check_divisible, padded_vocab_size
 
 __all__ = [
     "padded_vocab_size",
@@ -29,18 +29,6 @@ __all__ = [
     "gather_tp",
     "check_divisible",
 ]
-
-
-def check_divisible(arch: ArchConfig, tp: int, pp: int) -> None:
-    """The TP/PP sizes the architecture can be split into; the message names the offending size."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"tp = {tp}, pp = {pp}: must be >= 1")
-    if arch.num_query_groups % tp:
-        raise ConfigError(f"tp = {tp}: must divide the KV groups of {arch.name} ({arch.num_query_groups})")
-    if arch.ffn_hidden_size % tp:
-        raise ConfigError(f"tp = {tp}: must divide ffn_hidden_size of {arch.name} ({arch.ffn_hidden_size})")
-    if arch.num_layers % pp:
-        raise ConfigError(f"pp = {pp}: must divide the layers of {arch.name} ({arch.num_layers})")
 
 
 def split_tp(param: Param, full: torch.Tensor, tp: int) -> list[torch.Tensor]:

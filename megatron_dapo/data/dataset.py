@@ -14,7 +14,8 @@ The DAPO schema, one row per prompt::
 
 Every schema error names the file, the row and the column: ``aime-2024.parquet row 17: reward_model.ground_truth is
 missing``. Prompts longer than ``max_prompt_len`` tokens are cut from the LEFT (the question's end and the generation
-prompt survive) and counted in ``num_truncated``.
+prompt survive) and counted in ``num_truncated``, or, with ``overflow="error"`` (``data.prompt_overflow``), refused
+with an error naming the file, the rows and their lengths.
 """
 
 from __future__ import annotations
@@ -230,9 +231,10 @@ class PromptDataset:
         tokenizer: Any,
         max_prompt_len: int,
         apply_chat_template: bool = True,
+        overflow: str = "truncate",
     ) -> PromptDataset:
         rows = load_prompt_rows(files)
-        return cls._build(rows, tokenizer, max_prompt_len, apply_chat_template, ", ".join(map(str, files)))
+        return cls._build(rows, tokenizer, max_prompt_len, apply_chat_template, ", ".join(map(str, files)), overflow)
 
     @classmethod
     def from_rows(
@@ -250,12 +252,23 @@ class PromptDataset:
         )
 
     @classmethod
-    def _build(cls, rows, tokenizer, max_prompt_len: int, apply_chat_template: bool, name: str) -> PromptDataset:
+    def _build(
+        cls, rows, tokenizer, max_prompt_len: int, apply_chat_template: bool, name: str, overflow: str = "truncate"
+    ) -> PromptDataset:
         if max_prompt_len < 1:
             raise DataError(f"max_prompt_len = {max_prompt_len}: must be >= 1")
         texts = [render_prompt(tokenizer, row["prompt"], apply_chat_template) for _, _, row in rows]
         # Chat templates write their own special tokens; plain text gets the tokenizer's defaults (e.g. BOS).
         all_ids = encode_texts(tokenizer, texts, add_special_tokens=not apply_chat_template)
+        if overflow == "error":
+            too_long = [
+                (f"{file} row {i}", len(ids)) for (file, i, _), ids in zip(rows, all_ids) if len(ids) > max_prompt_len
+            ]
+            if too_long:
+                shown = ", ".join(f"{where} ({n} tokens)" for where, n in too_long[:MAX_REPORTED_ERRORS])
+                more = f" and {len(too_long) - MAX_REPORTED_ERRORS} more" if len(too_long) > MAX_REPORTED_ERRORS else ""
+                raise DataError(f"prompts longer than data.max_prompt_len = {max_prompt_len} tokens: {shown}{more} "
+                                "(data.prompt_overflow = error; 'truncate' cuts them from the left)")  # fmt: skip
         items = []
         for index, ((file, row_index, row), text, ids) in enumerate(zip(rows, texts, all_ids)):
             messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
@@ -349,7 +362,9 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
             d.chain_max_terms, d.apply_chat_template,
         )  # fmt: skip
     else:
-        train = PromptDataset.from_files(d.train_files, tokenizer, d.max_prompt_len, d.apply_chat_template)
+        train = PromptDataset.from_files(
+            d.train_files, tokenizer, d.max_prompt_len, d.apply_chat_template, d.prompt_overflow
+        )
     evals.update(build_eval_datasets(cfg, tokenizer))
     return train, evals
 
@@ -358,7 +373,9 @@ def build_eval_datasets(cfg: Any, tokenizer: Any) -> dict[str, PromptDataset]:
     """One eval set per ``eval.files`` entry, named after the file stem, one item per problem."""
     d = cfg.data
     return {
-        Path(path).stem: PromptDataset.from_files([path], tokenizer, d.max_prompt_len, d.apply_chat_template).unique()
+        Path(path).stem: PromptDataset.from_files(
+            [path], tokenizer, d.max_prompt_len, d.apply_chat_template, d.prompt_overflow
+        ).unique()
         for path in cfg.eval.files
     }
 

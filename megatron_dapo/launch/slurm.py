@@ -30,121 +30,29 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config import ConfigError, DapoConfig, load_config
+from megatron_dapo.config import (
+    ConfigError,
+    DapoConfig,
+    check_divisible,
+    check_world_divides,
+    load_arch,
+    load_config,
+)
+from megatron_dapo.launch.health import health_timeout_s, progress
+from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this module's API since it began)
+    LaunchError,
+    _int_env,
+    expand_nodelist,
+    node_address,
+    parse_tasks_per_node,
+    rank_exec,
+    torch_env_from_slurm,
+)
+from megatron_dapo.launch.stop import StopRelay, allocation_name, requeue
+from megatron_dapo.ports import JobPorts, find_collisions
+from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-class LaunchError(RuntimeError):
-    """A step failed or could not start; the message names the node, the step and its log file."""
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Slurm environment
-
-
-def _split_top_level(spec: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in spec:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return parts + [cur]
-
-
-def _expand_item(item: str, spec: str) -> list[str]:
-    start = item.find("[")
-    if start < 0:
-        return [item]
-    end = item.find("]", start)
-    if end < 0:
-        raise LaunchError(f"bad Slurm node list {spec!r}: unclosed '['")
-    values = []
-    for part in item[start + 1 : end].split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise LaunchError(f"bad Slurm node list {spec!r}: range {part!r}")
-        values += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi or lo) + 1)]
-    return [item[:start] + v + rest for v in values for rest in _expand_item(item[end + 1 :], spec)]
-
-
-def expand_nodelist(spec: str) -> list[str]:
-    """``"n[1-2],gpu[08-10,12]"`` -> ``["n1", "n2", "gpu08", "gpu09", "gpu10", "gpu12"]`` (= scontrol show hostnames)."""
-    return [name for item in _split_top_level(spec.strip()) if item for name in _expand_item(item, spec)]
-
-
-def parse_tasks_per_node(spec: str) -> list[int]:
-    """``"8(x2),4"`` (SLURM_TASKS_PER_NODE) -> ``[8, 8, 4]``."""
-    out = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not m:
-            raise LaunchError(f"cannot parse tasks per node {spec!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
-    return out
-
-
-def _int_env(env: dict, *names: str) -> int | None:
-    for name in names:
-        m = re.search(r"(\d+)$", env.get(name, "").split(",")[0].split("(")[0])
-        if m:
-            return int(m.group(1))
-    return None
-
-
-def node_address(node: str) -> str:
-    """The address Slurm reaches ``node`` at (``NodeAddr``); the name itself when scontrol cannot tell."""
-    try:
-        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return node
-    m = re.search(r"\bNodeAddr=(\S+)", out.stdout)
-    return m.group(1) if out.returncode == 0 and m else node
-
-
-def default_master_port(base: int, job_id: str | None) -> int:
-    """``base`` + (job id mod 1000), so that jobs sharing a node do not collide."""
-    return base + (int(job_id) % 1000 if job_id and job_id.isdigit() else 0)
-
-
-def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
-    """torchrun-style variables for one srun task: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_*;
-    plus DAPO_LOCAL_SERVER_URL (the SGLang server on this rank's node) when the launcher placed servers colocated."""
-    env = dict(os.environ if env is None else env)
-    if "SLURM_PROCID" not in env:
-        raise LaunchError("rank-exec must run as an srun task (SLURM_PROCID is not set)")
-    node_rank = int(env.get("SLURM_NODEID", "0"))
-    per_node = parse_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1")
-    out = {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1"),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": str(per_node[min(node_rank, len(per_node) - 1)]),
-        "NODE_RANK": str(node_rank),
-        "GROUP_RANK": str(node_rank),
-    }
-    nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost")
-    out["MASTER_ADDR"] = env.get("MASTER_ADDR") or node_address(nodes[0])
-    out["MASTER_PORT"] = env.get("MASTER_PORT") or str(default_master_port(29500, env.get("SLURM_JOB_ID")))
-    urls = json.loads(env.get("DAPO_SERVER_URLS") or "[]")
-    if env.get("DAPO_PLACEMENT") == "colocated" and node_rank < len(urls):
-        out["DAPO_LOCAL_SERVER_URL"] = urls[node_rank]  # for same-node weight sync (CUDA IPC)
-    return out
-
-
-def rank_exec(argv: list[str]) -> int:
-    """``rank-exec -- CMD...``: set the torch distributed variables from SLURM_* and exec CMD (never returns)."""
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        raise LaunchError("usage: python -m megatron_dapo.launch.slurm rank-exec -- COMMAND [ARGS...]")
-    os.environ.update(torch_env_from_slurm())
-    os.execvp(argv[0], argv)
-    return 127  # not reached
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -189,6 +97,10 @@ class LaunchPlan:
     health_timeout_s: float
     trainer: Step
     servers: list[Step] = field(default_factory=list)
+    run_dir: str = ""  # checkpoints in run_dir/checkpoints: how far a stopped run got
+    steps: int = 0  # train.steps
+    stop_file: str = ""  # $DAPO_STOP_FILE of this allocation (launch/stop.py)
+    port_base: int = 0  # the job's port block (ports.py)
 
     def roles(self) -> dict[str, list[str]]:
         return {n: (["train"] if n in self.train_nodes else []) + (["rollout"] if n in self.rollout_nodes else [])
@@ -201,6 +113,7 @@ class LaunchPlan:
         gpus = f"{self.gpus_per_node} GPUs each" if self.gpus_per_node else "CPU"
         lines = [
             f"DAPO launch plan: recipe {self.recipe}, model {self.model}, job {self.job_id or '(none: dry run)'}",
+            f"code: {Path(__file__).resolve().parents[1]} (run from {os.getcwd()})",
             f"placement: {self.placement}; rollout engine: {self.engine}; {len(self.nodes)} nodes, {gpus}",
             f"parallel: TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} (world {self.world_size} = "
             f"{len(self.train_nodes)} train nodes x {self.tasks_per_node} ranks)",
@@ -238,6 +151,7 @@ class LaunchOptions:
     log_dir: str | None = None
     python: str = sys.executable
     health_timeout_s: float | None = None
+    resume: str = "auto"  # dapo train --resume: auto | none | a checkpoint directory
     server_cmd: str | None = None  # TESTS/DEBUG ONLY: replaces the SGLang server command (a template)
     trainer_cmd: str | None = None  # TESTS/DEBUG ONLY: replaces `python -m megatron_dapo.cli train ...`
 
@@ -308,16 +222,16 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         rollout_nodes = []  # attach to servers that run elsewhere
     world = len(train_nodes) * tasks
     mp = p.tp * p.pp * p.cp
-    if world % mp:
-        raise ConfigError(f"parallel.tp x pp x cp = {p.tp}x{p.pp}x{p.cp} = {mp} does not divide the {world} trainer "
-                          f"ranks ({len(train_nodes)} nodes x {tasks} ranks)")  # fmt: skip
+    check_world_divides(p, world, f"trainer ranks ({len(train_nodes)} nodes x {tasks} ranks)")
+    check_divisible(load_arch(cfg.model.arch), p.tp, p.pp, prefix="parallel.")  # before servers spend minutes loading
     if gpu and gpus % r.sglang_tp:
         raise ConfigError(f"rollout.sglang_tp = {r.sglang_tp} must divide the {gpus} GPUs per node")
 
     addr = {n: node_address(n) if job_id else n for n in nodes}  # scontrol answers only inside a cluster
     master_addr = env.get("MASTER_ADDR") or addr[train_nodes[0]]
-    master_port = int(env.get("MASTER_PORT") or default_master_port(c.master_port, job_id))
-    log_dir = opts.log_dir or str(Path(cfg.train.run_dir) / cfg.train.name / f"slurm-{job_id or 'dryrun'}")
+    ports = JobPorts(c.port_base) if c.port_base else JobPorts.for_job(job_id)
+    master_port = int(env.get("MASTER_PORT") or c.master_port or ports.rendezvous)
+    log_dir = opts.log_dir or str(Path(cfg.train.run_dir) / cfg.train.name / allocation_name(job_id, env))
     py = "python" if c.container_image else opts.python
 
     def srun(name: str, step_nodes: list[str], ntasks: int, output: str) -> list[str]:
@@ -328,30 +242,40 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
             cmd.append(f"--gpus-per-node={gpus}")
         if cpus:
             cmd.append(f"--cpus-per-task={max(1, cpus * len(step_nodes) // ntasks)}")
-        if c.container_image:
-            cmd += [f"--container-image={c.container_image}", f"--container-workdir={os.getcwd()}"]
-            if c.container_mounts:
-                cmd.append(f"--container-mounts={','.join(c.container_mounts)}")
+        if c.container_image:  # the driver's directory (nemo-run: the packaged code) is the steps' code, mounted as is
+            cwd = os.getcwd()
+            mounts = ",".join([*c.container_mounts, f"{cwd}:{cwd}"])
+            cmd += [f"--container-image={c.container_image}", f"--container-workdir={cwd}"]
+            cmd.append(f"--container-mounts={mounts}")
         return cmd
 
-    servers, seen_addr = [], {}
+    servers, seen_addr, port_uses = [], {}, {"rendezvous": (master_addr, master_port)}
     for i, node in enumerate(rollout_nodes):
-        port = c.server_port + seen_addr.get(addr[node], 0)  # emulated nodes sharing one address get distinct ports
-        seen_addr[addr[node]] = seen_addr.get(addr[node], 0) + 1
+        k = seen_addr[addr[node]] = seen_addr.get(addr[node], -1) + 1  # the k-th server on its host (address)
+        sp = ports.server(k)
+        port = c.server_port + k if c.server_port else sp.http
+        port_uses.update({f"server {node} (HTTP)": (addr[node], port), f"server {node}": (addr[node], sp.all()[1:])})
         if opts.server_cmd:
             command = _fill(opts.server_cmd, python=py, node=node, port=port, index=i, log_dir=log_dir)
         else:
             command = sglang_server_command(cfg, py, port, gpus // r.sglang_tp, placement == "colocated")
+            command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         name, log = f"dapo-server-{node}", f"{log_dir}/server-{node}.log"
         servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + command, log,
                             f"http://{addr[node]}:{port}"))  # fmt: skip
 
     urls = [s.url for s in servers] or list(r.server_urls)
-    train_args = ["--recipe", opts.recipe, *opts.overrides]
+    train_args = ["--recipe", opts.recipe, *opts.overrides, "--resume", opts.resume]
+    if servers:
+        port_uses.update({"router": (master_addr, ports.router), "weight sync": (master_addr, ports.weight_sync)})
+    clashes = find_collisions(port_uses)
+    if clashes:
+        raise LaunchError(f"port plan (block {ports.base}, cluster.port_base/master_port/server_port): {clashes[0]}")
     if servers:
         train_args.append(f"rollout.server_urls={json.dumps(urls, separators=(',', ':'))}")
     if opts.trainer_cmd:
-        entry = _fill(opts.trainer_cmd, python=py, server_urls=json.dumps(urls, separators=(",", ":")), log_dir=log_dir)
+        entry = _fill(opts.trainer_cmd, python=py, server_urls=json.dumps(urls, separators=(",", ":")), log_dir=log_dir,
+                      resume=opts.resume)  # fmt: skip
     else:
         entry = [py, "-m", "megatron_dapo.cli", "train", *train_args]
     command = [py, "-m", "megatron_dapo.launch.slurm", "rank-exec", "--", *entry]
@@ -359,7 +283,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     trainer = Step("dapo-trainer", "trainer", train_nodes, world, command, srun("dapo-trainer", train_nodes, world, log)
                    + command, log)  # fmt: skip
 
-    run_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "PYTHONUNBUFFERED": "1"}
+    stop_file = f"{log_dir}/stop-request"
+    run_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "PYTHONUNBUFFERED": "1",
+               STOP_FILE_ENV: stop_file, **ports.env()}  # fmt: skip
     if urls:  # rank-exec derives DAPO_LOCAL_SERVER_URL (colocated: the server on the rank's own node) from these
         run_env.update(DAPO_SERVER_URLS=json.dumps(urls, separators=(",", ":")), DAPO_PLACEMENT=placement)
     if c.nccl_socket_ifname:
@@ -374,7 +300,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         nodes=nodes, train_nodes=train_nodes, rollout_nodes=rollout_nodes, gpus_per_node=gpus, tasks_per_node=tasks,
         world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, dp=world // mp, master_addr=master_addr,
         master_port=master_port, env=run_env, log_dir=log_dir,
-        health_timeout_s=opts.health_timeout_s or r.server_timeout_s, trainer=trainer, servers=servers,
+        health_timeout_s=opts.health_timeout_s or health_timeout_s(cfg, len(servers) * gpus // r.sglang_tp),
+        trainer=trainer, servers=servers, run_dir=str(Path(cfg.train.run_dir) / cfg.train.name),
+        steps=cfg.train.steps, stop_file=stop_file, port_base=ports.base,
     )  # fmt: skip
 
 
@@ -406,10 +334,12 @@ class _Terminated(Exception):
 class Supervisor:
     """Runs a plan's steps as child srun processes; any failure tears every other step down at once."""
 
-    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None):
-        self.plan, self.poll_s, self.grace_s = plan, poll_s, grace_s
+    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None, report_s: float = 30,
+                 stop_before_s: float = 0):  # fmt: skip
+        self.plan, self.poll_s, self.grace_s, self.report_s = plan, poll_s, grace_s, report_s
         self.out = out or sys.stderr
         self.procs: list[tuple[Step, subprocess.Popen, str]] = []
+        self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg), stop_before_s)
 
     def say(self, msg: str) -> None:
         print(f"[dapo launch {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -448,9 +378,17 @@ class Supervisor:
 
     def wait_healthy(self) -> None:
         pending = {s.url for s in self.plan.servers}
-        deadline = time.monotonic() + self.plan.health_timeout_s
+        start = time.monotonic()
+        deadline, report = start + self.plan.health_timeout_s, start + self.report_s
         while pending:
             self.check()
+            self.stop.poll()
+            if time.monotonic() > report:
+                report += self.report_s
+                waiting = [s for s in self.plan.servers if s.url in pending]
+                self.say(
+                    progress(waiting, len(self.plan.servers), time.monotonic() - start, self.plan.health_timeout_s)
+                )
             for url in sorted(pending):
                 if http_ok(url + "/health"):
                     pending.discard(url)
@@ -500,16 +438,18 @@ class Supervisor:
             raise _Terminated(signal.Signals(signum).name)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old[signal.SIGUSR1] = self.stop.install()
         try:
             for step in self.plan.servers:
                 self.start(step)
             if self.plan.servers:
                 self.wait_healthy()
             self.start(self.plan.trainer)
-            while (rc := self.check()) is None:
+            while self.check() is None:
+                self.stop.poll()
                 time.sleep(self.poll_s)
             self.say(f"trainer finished; logs in {self.plan.log_dir}")
-            return rc
+            return self.stop.exit_code()
         except LaunchError as e:
             self.say(f"FAILED: {e}")
             return 1
@@ -538,14 +478,19 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ntasks-per-node", type=int, help="trainer ranks per node (default: GPUs per node; CPU: 1)")
     ap.add_argument("--log-dir", help="step logs (default: <train.run_dir>/<train.name>/slurm-<job id>)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the steps (default: this one)")
-    ap.add_argument(
-        "--health-timeout", type=float, help="seconds to wait for servers (default: rollout.server_timeout_s)"
-    )
+    ap.add_argument("--health-timeout", type=float, help="seconds to wait for servers (default: scaled with the "
+                    "model and the number of servers, see launch/health.py)")  # fmt: skip
+    ap.add_argument("--resume", default="auto", help="passed to dapo train: auto (default: the run's newest complete "
+                    "checkpoint, if any), none, or a checkpoint directory")  # fmt: skip
+    ap.add_argument("--stop-before", type=float, help="stop the trainer (it saves) this many seconds before the job's "
+                    "time limit, read from scontrol (for a driver run as a job step: nemo-run)")  # fmt: skip
+    ap.add_argument("--requeue-on-stop", action="store_true", help="after a time-limit stop, requeue the job from "
+                    "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)")  # fmt: skip
     ap.add_argument("--nemo", action="store_true", help="submit through nemo-run instead (see launch/nemo.py)")
     test = ap.add_argument_group("testing and debugging (replace the real programs)")
     test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {log_dir}")
     test.add_argument(
-        "--trainer-cmd", help="template for the per-rank trainer command: {python} {server_urls} {log_dir}"
+        "--trainer-cmd", help="template for the per-rank trainer command: {python} {server_urls} {log_dir} {resume}"
     )
     return ap
 
@@ -564,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = LaunchOptions(
             recipe=args.recipe, overrides=args.overrides, nodes=args.nodes, nodelist=args.nodelist,
             gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node, log_dir=args.log_dir,
-            python=args.python, health_timeout_s=args.health_timeout, server_cmd=args.server_cmd,
+            python=args.python, health_timeout_s=args.health_timeout, resume=args.resume, server_cmd=args.server_cmd,
             trainer_cmd=args.trainer_cmd,
         )  # fmt: skip
         plan = build_plan(opts, dry_run=args.dry_run)
@@ -572,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.describe())
             return 0
         print(plan.describe(), file=sys.stderr, flush=True)
-        return Supervisor(plan).run()
+        supervisor = Supervisor(plan, stop_before_s=args.stop_before or 0)
+        rc = supervisor.run()
+        if rc == EXIT_RESUMABLE and args.requeue_on_stop:
+            requeue(plan.job_id, supervisor.say)
+        return rc
     except (ConfigError, LaunchError) as e:
         print(f"dapo launch: error: {e}", file=sys.stderr)
         return 2

@@ -486,7 +486,10 @@ def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
     if kind == "cuda_ipc":
         return CudaIpcSync(engine, verify)
     if kind == "nccl":
-        return NcclSync(engine, verify)
+        from megatron_dapo.ports import JobPorts
+
+        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
+        return NcclSync(engine, verify, master_port=job_ports.weight_sync if job_ports else None)
     from megatron_dapo.config import ConfigError
 
     raise ConfigError(f"rollout.weight_sync = {kind!r}: expected copy, cuda_ipc, nccl or disk")

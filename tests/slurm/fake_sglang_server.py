@@ -2,7 +2,8 @@
 
 Serves ``GET /health`` (200) until SIGTERM. ``--fail-on NODE`` makes the copy on Slurm node NODE exit with
 ``--code`` after ``--fail-after`` seconds (healthy until then), as a crashing server would. ``--pid-dir`` records each copy's pid
-so that tests can check that the launcher stopped the healthy ones.
+so that tests can check that the launcher stopped the healthy ones. ``--load-s S`` prints a progress bar (carriage
+returns, as SGLang's weight loading does) for S seconds before it listens.
 """
 
 import argparse
@@ -33,6 +34,7 @@ def main() -> int:
     ap.add_argument("--fail-after", type=float, default=0.0)
     ap.add_argument("--code", type=int, default=1)
     ap.add_argument("--pid-dir")
+    ap.add_argument("--load-s", type=float, default=0.0)
     ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", "?"), help="default: the Slurm node")
     args = ap.parse_args()
     node = args.node
@@ -41,6 +43,9 @@ def main() -> int:
         Path(args.pid_dir, f"server-{node}.pid").write_text(str(os.getpid()))
     print(f"fake sglang server on {node}, port {args.port}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    for i in range(int(args.load_s * 10)):
+        print(f"\rLoading safetensors checkpoint shards: {100 * i // int(args.load_s * 10)}%", end="", flush=True)
+        time.sleep(0.1)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     if node == args.fail_on:

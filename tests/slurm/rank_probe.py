@@ -36,7 +36,7 @@ def health(url: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--server-urls", default="[]")
+    ap.add_argument("--server-urls", default=os.environ.get("DAPO_SERVER_URLS", "[]"), help="default: the launcher's")
     ap.add_argument("--allreduce", action="store_true")
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--code", type=int, default=3)
@@ -44,6 +44,7 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     rec = {k: os.environ.get(k) for k in KEYS}
     rec["node"] = os.environ.get("SLURMD_NODENAME")
+    rec["cwd"] = os.getcwd()  # where `python -m megatron_dapo...` of the step imports the package from
     rec["servers"] = {u: health(u) for u in json.loads(args.server_urls)}
     if args.allreduce:
         import torch

@@ -65,11 +65,12 @@ def test_torch_env_from_slurm_maps_task_ids():
     out = torch_env_from_slurm(env)
     assert out == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "1",
                    "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}  # fmt: skip
-    # without MASTER_*: the first node of the step, and a port offset by the job id
+    # without MASTER_*: the first node of the step, and the rendezvous port of the job's block
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "hostx,hosty", "SLURM_JOB_ID": "12345",
            "SLURM_CONF": "/nonexistent/slurm.conf"}  # fmt: skip
     out = torch_env_from_slurm(env)
-    assert (out["MASTER_ADDR"], out["MASTER_PORT"], out["WORLD_SIZE"]) == ("hostx", str(29500 + 12345 % 1000), "2")
+    assert (out["MASTER_ADDR"], out["MASTER_PORT"], out["WORLD_SIZE"]) == ("hostx", "20000", "2")  # 10000 + 25 x 400
+    assert torch_env_from_slurm({**env, "DAPO_PORT_BASE": "12000"})["MASTER_PORT"] == "12000"  # the launcher's block
     with pytest.raises(LaunchError, match="SLURM_PROCID"):
         torch_env_from_slurm({})
     # colocated servers: each rank learns the server on its own node (node rank = index in the trainer's node list)
@@ -104,7 +105,7 @@ def test_colocated_plan_16_nodes():
         cmd = " ".join(s.command)
         assert "-m sglang.launch_server --model-path /models/Qwen2.5-32B" in cmd
         assert "--tp-size 4" in cmd and "--dp-size 2" in cmd and "--enable-memory-saver" in cmd
-        assert "--port 30000" in cmd and "--mem-fraction-static 0.6" in cmd
+        assert "--port 10008" in cmd and "--nccl-port 10009" in cmd and "--mem-fraction-static 0.6" in cmd
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
     t = plan.trainer.srun
     assert "--nodes=16" in t and "--ntasks=128" in t and "--ntasks-per-node=8" in t and "--gpus-per-node=8" in t
@@ -113,8 +114,8 @@ def test_colocated_plan_16_nodes():
     # the trainer is told where the servers are, in a form the config parser reads back
     url_arg = [a for a in t if a.startswith("rollout.server_urls=")]
     cfg = load_config(R32, ["parallel.pp=2", url_arg[0]])
-    assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:30000" for n in plan.nodes]
-    assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "29500"
+    assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:10008" for n in plan.nodes]
+    assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "10000"  # dry run: block 0
 
 
 def test_disaggregated_plan():
@@ -179,9 +180,14 @@ def test_plan_inside_an_allocation():
     plan = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.tp=4", "parallel.cp=1"]), env=env)
     assert plan.nodes == ["gpu01", "gpu02", "gpu03"] and plan.job_id == "4242"
     assert (plan.gpus_per_node, plan.world_size, plan.dp) == (4, 12, 3)
-    assert plan.master_port == 29500 + 4242 % 1000 and plan.master_addr == "gpu01"
+    assert plan.master_port == 10000 + 4242 % 55 * 400 and plan.master_addr == "gpu01"
     assert "--cpus-per-task=16" in plan.trainer.srun and "--cpus-per-task=64" in plan.servers[0].srun
     assert plan.log_dir == "runs/test-32b/slurm-4242"
+    # the second allocation of a requeued job: its own logs and stop file
+    requeued = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.tp=4", "parallel.cp=1"]),
+                          env={**env, "SLURM_RESTART_COUNT": "1"})  # fmt: skip
+    assert requeued.log_dir == "runs/test-32b/slurm-4242-r1"
+    assert requeued.env["DAPO_STOP_FILE"] == "runs/test-32b/slurm-4242-r1/stop-request"
     # sbatch's --gpus-per-node=h100:8 form, and a subset of the nodes
     env2 = {**env, "SLURM_GPUS_PER_NODE": "h100:8"}
     del env2["SLURM_GPUS_ON_NODE"]
@@ -195,7 +201,9 @@ def test_container_and_network_settings():
     plan = plan_for("cluster.container_image=nvcr.io/x/y:1", "cluster.container_mounts=[/a:/a,/b:/b]",
                     "cluster.nccl_socket_ifname=ib0", "cluster.ib_hca=mlx5", nodes=2)  # fmt: skip
     for step in [*plan.servers, plan.trainer]:
-        assert "--container-image=nvcr.io/x/y:1" in step.srun and "--container-mounts=/a:/a,/b:/b" in step.srun
+        here = os.getcwd()  # the code the steps run (the packaged copy under nemo-run) is mounted where it is
+        assert "--container-image=nvcr.io/x/y:1" in step.srun and f"--container-workdir={here}" in step.srun
+        assert f"--container-mounts=/a:/a,/b:/b,{here}:{here}" in step.srun
         assert step.command[0] == "python"  # the container's interpreter, not this venv's
     assert plan.env["NCCL_SOCKET_IFNAME"] == plan.env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert plan.env["NCCL_IB_HCA"] == "mlx5"

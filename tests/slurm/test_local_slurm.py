@@ -256,24 +256,80 @@ def test_tiny_cpu_sbatch_end_to_end(local_slurm, tmp_path):
     assert all(torch.equal(converted[k], exported[k]) for k in converted)
 
 
+def _nemo(local_slurm, tmp_path: Path, *args: str, timeout: float = 280) -> subprocess.CompletedProcess:
+    env = {**local_slurm.env, "NEMORUN_HOME": str(tmp_path / "nemo")}
+    cmd = [*DRIVER, "--nemo", "--recipe", str(TEST_RECIPE_32B), "--account", "test", "--partition", "debug",
+           "--nodes", "2", "--gpus-per-node", "8", "--exclusive", "--ntasks-per-node", "1", "parallel.tp=2",
+           "parallel.cp=1", "--log-dir", str(tmp_path / "logs"), *args]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def _nemo_job_dir(tmp_path: Path) -> Path:
+    (sbatch,) = (tmp_path / "nemo" / "experiments").glob("*/*/dapo_sbatch.sh")
+    return sbatch.parent
+
+
 @pytest.mark.timeout(300)
 def test_nemo_run_slurm_executor(local_slurm, tmp_path):
-    """`dapo launch --nemo`: nemo-run's SlurmExecutor + LocalTunnel submits the driver; servers + trainer run.
+    """`dapo launch --nemo`: nemo-run's SlurmExecutor + LocalTunnel submits the driver, which runs on the host in the
+    packaged code (<job dir>/code), starts servers + trainer, and near the time limit (a 2-minute job, stop 110 s
+    before it) stops the trainer, requeues the job and resumes it in the next allocation.
     `make test` installs nemo-run (the [launch] extra): missing, this test fails rather than skips."""
     import nemo_run  # noqa: F401
 
     port = free_port_pair()
-    env = {**local_slurm.env, "NEMORUN_HOME": str(tmp_path / "nemo")}
-    cmd = [*DRIVER, "--nemo", "--recipe", str(TEST_RECIPE_32B), "--account", "test", "--partition", "debug",
-           "--nodes", "2", "--gpus-per-node", "8", "--exclusive", "--ntasks-per-node", "1", "parallel.tp=2",
-           "parallel.cp=1", f"cluster.server_port={port}", "--log-dir", str(tmp_path / "logs"),
-           "--server-cmd", FAKE_SERVER, "--trainer-cmd", f"{PROBE} --out {tmp_path}/ranks"]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=REPO)
+    run = tmp_path / "runs" / "test-32b"
+    trainer = (f"bash -c '{{python}} {HERE}/rank_probe.py --out {tmp_path}/ranks && "
+               f"exec {{python}} {HERE}/stop_probe.py --run-dir {run} --wait-s 150 --resume {{resume}}'")  # fmt: skip
+    out = _nemo(local_slurm, tmp_path, "--time", "00:02:00", "--stop-before", "110", f"cluster.server_port={port}",
+                f"train.run_dir={tmp_path}/runs", "train.steps=2", "--server-cmd", FAKE_SERVER, "--trainer-cmd",
+                trainer)  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "'dapo': 'SUCCEEDED'" in out.stderr
     recs = read_ranks(tmp_path / "ranks")
     assert [(r["RANK"], r["node"]) for r in recs] == [("0", "n1"), ("1", "n2")]
     assert all(set(r["servers"].values()) == {200} and len(r["servers"]) == 2 for r in recs)
+    # packaged code: the driver imports it from <job dir>/code, the steps start there (python -m imports from cwd)
+    job_dir = _nemo_job_dir(tmp_path) / "dapo"
+    code = job_dir / "code"
+    assert all(r["cwd"] == str(code) for r in recs)
+    assert (code / "megatron_dapo" / "launch" / "slurm.py").read_bytes() == (
+        REPO / "megatron_dapo" / "launch" / "slurm.py"
+    ).read_bytes()
+    logs = sorted(job_dir.glob("log-*.out"))
+    driver = "\n".join(p.read_text() for p in logs)
+    assert f"code: {code}/megatron_dapo (run from {code})" in driver
+    # the time limit: the driver stops the trainer, which 'saves' step 1 of 2, and requeues the job
+    assert len(logs) == 2 and "requeue job" in driver
+    assert "stop requested (the time limit is " in driver and " s away (--stop-before 110))" in driver
+    probes = [json.loads(line) for line in (run / "probe.log").read_text().splitlines()]
+    assert sorted((p["restart"], p["rank"]) for p in probes) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert all(p["stop"].startswith("the time limit is ") and p["argv"] == ["--resume", "auto"] for p in probes)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+@pytest.mark.timeout(200)
+def test_nemo_run_driver_on_host_steps_in_container(local_slurm, tmp_path):
+    """With --container-image: nemo-run's script starts the driver on the host (--chdir to the packaged code, no
+    container flags); the driver's plan (printed by --driver-dry-run inside the allocation) runs the server and
+    trainer steps in the image, with the packaged code mounted as their working directory. (pyxis itself is not
+    installed here: the steps are planned, not started.)"""
+    out = _nemo(local_slurm, tmp_path, "--container-image", "nvcr.io/acme/dapo:1", "--container-mounts",
+                "/lustre:/lustre", "--driver-dry-run")  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    job_dir = _nemo_job_dir(tmp_path)
+    code = job_dir / "dapo" / "code"
+    (driver_srun,) = [line for line in (job_dir / "dapo_sbatch.sh").read_text().splitlines()
+                      if line.startswith("srun ") and "megatron_dapo.launch.slurm" in line]  # fmt: skip
+    assert f"--chdir {code}" in driver_srun and "--stop-before 900" in driver_srun
+    assert "--container" not in driver_srun and "cluster.container_image=nvcr.io/acme/dapo:1" in driver_srun
+    (log,) = (job_dir / "dapo").glob("log-*.out")
+    text = log.read_text()
+    plan = json.loads(text[text.index("{") : text.rindex("}") + 1])
+    for step in [*plan["servers"], plan["trainer"]]:
+        assert "--container-image=nvcr.io/acme/dapo:1" in step["srun"] and f"--container-workdir={code}" in step["srun"]
+        assert f"--container-mounts=/lustre:/lustre,{code}:{code}" in step["srun"]
+        assert step["command"][0] == "python"  # the image's interpreter
     assert os.path.isdir(tmp_path / "nemo" / "experiments")
 
 

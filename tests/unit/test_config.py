@@ -33,8 +33,9 @@ def test_dapo_32b_carries_the_paper_numbers():
 def test_dotted_overrides_are_typed():
     c = load_config(
         "demo_cpu",
-        ["algo.eps_high=0.3", "train.lr=1e-3", "data.train_files=[a.parquet, b.parquet]", "algo.clip_c=null"],
-    )
+        ["algo.eps_high=0.3", "train.lr=1e-3", "data.synthetic=none", "data.train_files=[a.parquet, b.parquet]",
+         "algo.clip_c=null"],
+    )  # fmt: skip
     assert c.algo.eps_high == 0.3 and c.train.lr == 1e-3 and c.algo.clip_c is None
     assert c.data.train_files == ["a.parquet", "b.parquet"]
 
@@ -87,3 +88,45 @@ def test_architectures_load_and_validate(tmp_path):
     bad.write_text("num_attention_heads: 4\nnum_query_groups: 3\n")
     with pytest.raises(ConfigError, match=f"{bad}: num_query_groups = 3: must divide num_attention_heads"):
         load_arch(bad)
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit, because",
+    [
+        (["data.train_files=[/data/train.parquet]"], "data.train_files", "data.synthetic = 'add2'"),
+        (["train.supervised_warmup_steps=0", "train.supervised_lr=0.01"], "train.supervised_lr", "supervised_warmup"),
+        (["rollout.sglang_tp=2"], "rollout.sglang_tp", "rollout.engine = 'hf'"),
+        (["algo.dynamic_sampling=false", "algo.gen_batch_prompts=64", "algo.max_gen_batches=3"], "algo.max_gen_batches",
+         "algo.dynamic_sampling = false"),
+        (["eval.greedy=true", "eval.n=8"], "eval.n", "eval.greedy = true"),
+        (["algo.overlong_cache=4"], "algo.overlong_cache", "algo.overlong_penalty = false"),
+    ],
+)  # fmt: skip
+def test_an_override_the_run_would_ignore_is_an_error(overrides, culprit, because):
+    """demo_cpu makes its prompts (data.synthetic: add2): a train_files override used to be silently ignored."""
+    with pytest.raises(ConfigError, match=rf"command line: {culprit} = .* would be ignored: .*{because}"):
+        load_config("demo_cpu", overrides)
+
+
+def test_overrides_the_run_uses_and_recipe_keys_are_accepted():
+    # the same keys are fine once the setting that uses them is on (and the demo recipe itself sets
+    # supervised_* and hf_max_batch, which it uses)
+    cfg = load_config("demo_cpu", ["data.synthetic=none", "data.train_files=[/data/train.parquet]", "eval.n=8"])
+    assert cfg.data.train_files == ["/data/train.parquet"] and cfg.eval.n == 8
+    # a recipe may keep settings for another engine; switching the engine on the command line is not an error
+    cfg = load_config("dapo_7b", ["rollout.engine=hf", "rollout.weight_sync=copy"])
+    assert cfg.rollout.sglang_tp >= 1
+
+
+def test_parallel_sizes_that_do_not_divide_name_the_key():
+    from megatron_dapo.config import ParallelConfig, check_divisible, check_world_divides
+
+    tiny = load_arch("tiny")  # 2 layers, 2 KV groups, FFN 512
+    check_divisible(tiny, 2, 2, prefix="parallel.")
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 4: must divide the KV groups of tiny \(2\)"):
+        check_divisible(tiny, 4, 1, prefix="parallel.")
+    with pytest.raises(ConfigError, match=r"parallel\.pp = 3: must divide the layers of tiny \(2\)"):
+        check_divisible(tiny, 1, 3, prefix="parallel.")
+    check_world_divides(ParallelConfig(tp=2, pp=2), 8)
+    with pytest.raises(ConfigError, match=r"parallel\.tp x pp x cp = 2x2x1 = 4 does not divide the 6 ranks"):
+        check_world_divides(ParallelConfig(tp=2, pp=2), 6)

@@ -152,6 +152,20 @@ def test_chat_template_and_left_truncation_counts(hf_tokenizer, tmp_path: Path) 
     assert full[2].prompt_text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
+def test_prompt_overflow_error_names_the_rows_and_lengths(hf_tokenizer, tmp_path: Path) -> None:
+    """data.prompt_overflow = error: the same file is refused, naming each long row and its length."""
+    rows = [_good_row(i) for i in (1, 22, 333, 4444, 55555)]
+    lengths = [_chatml_length(r["prompt"]) for r in rows]
+    limit = sorted(lengths)[2]
+    path = _write(rows, tmp_path / "p.parquet")
+    with pytest.raises(DataError) as err:
+        PromptDataset.from_files([path], hf_tokenizer, max_prompt_len=limit, overflow="error")
+    expected = ", ".join(f"{path} row {i} ({n} tokens)" for i, n in enumerate(lengths) if n > limit)
+    assert f"longer than data.max_prompt_len = {limit} tokens: {expected} (data.prompt_overflow" in str(err.value)
+    ok = PromptDataset.from_files([path], hf_tokenizer, max_prompt_len=max(lengths), overflow="error")
+    assert ok.num_truncated == 0
+
+
 def test_plain_join_without_chat_template(hf_tokenizer) -> None:
     rows = [_good_row(1)]
     rows[0]["prompt"] = [{"role": "system", "content": "Sys"}, {"role": "user", "content": "What?"}]

@@ -1,0 +1,174 @@
+"""Faults of a long run through the real `dapo train` (docs/reliability.md): a stop request saves and resumes exactly,
+bad input fails before compute with one line naming the culprit, run-time failures print one line from rank 0 only,
+a full disk keeps the previous checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_trainer import BASE, ENV, dapo, metrics
+from tests.helpers import REPO, torchrun_cmd
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# keys that depend on the run's history (not on wall time): equal between an interrupted and an uninterrupted run
+HISTORY = ("train/", "eval/", "perf/packing")
+
+
+def same_history(a: dict, b: dict) -> list[str]:
+    return [k for k in a if k.startswith(HISTORY) and not k.startswith("train/skipped") and a[k] != b.get(k)]
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()[:-1]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run never logged step {step} (exit code {proc.poll()})")
+
+
+def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
+    """SIGUSR1 (what the sbatch scripts turn the time-limit signal into) mid-run: the trainer finishes the step, saves,
+    exits 0; `--resume auto` continues; metrics.jsonl then holds each step once, equal to an uninterrupted run's."""
+    args = ["train", "--recipe", "demo_cpu", *BASE, "train.save_interval=0", "train.steps=8", "eval.interval=3",
+            f"train.run_dir={tmp_path}"]  # fmt: skip
+    dapo(*args, "train.name=straight")
+    straight = {r["step"]: r for r in metrics(tmp_path / "straight")}
+
+    run = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", *args, "train.name=stopped"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(run, 1, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    first = metrics(run)
+    stopped_at = first[-1]["step"]
+    assert 1 <= stopped_at < 8, f"the run ended at step {stopped_at}: the signal came too late to test a stop"
+    assert f"stopped after step {stopped_at} of 8 (SIGUSR1); saved {run}/checkpoints/step_{stopped_at:06d}" in out
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{stopped_at:06d}"]  # save_interval=0
+    assert not (run / "hf").exists()  # the final export waits for the real end
+
+    resumed = dapo(*args, "train.name=stopped")  # --resume auto is the default
+    assert f"resuming from {run}/checkpoints/step_{stopped_at:06d} (step {stopped_at})" in resumed.stdout
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 9))  # appended, each step once
+    assert rows[:stopped_at] == first  # the first allocation's lines are kept as they were
+    for r in rows:
+        assert not same_history(straight[r["step"]], r), (r["step"], same_history(straight[r["step"]], r))
+    assert any(k.startswith("eval/") for k in rows[5]) and (run / "hf" / "config.json").is_file()
+
+
+def test_fresh_start_over_an_existing_run_is_refused(tmp_path):
+    args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}", "train.name=r"]
+    dapo(*args)
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    proc = dapo(*args, "--resume", "none", check=False)
+    assert proc.returncode == 2
+    assert f"error: --resume none: {tmp_path}/r/checkpoints already holds checkpoints of run 'r' (up to step 1)" in (
+        proc.stderr
+    )
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before  # not truncated, not moved aside
+
+
+def _arch(tmp_path: Path, name: str, **changes) -> Path:
+    text = (REPO / "model_configs" / "tiny.yaml").read_text()
+    for key, (old, new) in changes.items():
+        text = text.replace(f"{key}: {old}", f"{key}: {new}")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text.replace("name: tiny", f"name: {name}"))
+    return path
+
+
+def _only_error_line(stderr: str) -> str:
+    """The one ``error:`` line, and no traceback through our code on any rank (torchrun's own report may follow)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr[-4000:]
+    frames = [line for line in stderr.splitlines() if line.strip().startswith("File ") and "megatron_dapo" in line]
+    assert not frames, stderr[-4000:]
+    return lines[0]
+
+
+def test_bad_input_is_named_before_compute(tmp_path):
+    """A new user's mistakes, each one line naming the culprit, exit 2, no checkpoint written."""
+    run = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}"]
+    # an override the run would not use (demo_cpu makes its own prompts)
+    proc = dapo(*run, "data.train_files=[/data/dapo-math-17k.parquet]", check=False)
+    assert proc.returncode == 2 and "data.train_files = ['/data/dapo-math-17k.parquet'] would be ignored" in (
+        _only_error_line(proc.stderr)
+    )
+    # an HF checkpoint of another architecture (its config.json is read before the model is built)
+    hf = tmp_path / "llama-hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}))  # fmt: skip
+    proc = dapo(*run, f"model.hf_init={hf}", f"model.tokenizer={hf}", check=False)
+    line = _only_error_line(proc.stderr)
+    assert proc.returncode == 2 and f"model.hf_init = {hf}: config.json vs model.arch = tiny: family mismatch" in line
+    # TP that does not divide the model (tiny has 2 KV groups), under torchrun: one line from rank 0
+    tp3 = _arch(tmp_path, "tiny-3kv", num_attention_heads=(4, 6), num_query_groups=(2, 3), hidden_size=(128, 132))
+    cmd = [*torchrun_cmd(2), "-m", "megatron_dapo.cli", *run, "parallel.tp=2", f"model.arch={tp3}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert _only_error_line(proc.stderr) == "error: parallel.tp = 2: must divide the KV groups of tiny-3kv (3)"
+    assert not list(tmp_path.rglob("dapo_meta.json"))
+
+
+def test_resume_checkpoint_of_another_model_is_named(tmp_path):
+    run = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}", "train.name=a"]
+    dapo(*run)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000001"
+    wider = _arch(tmp_path, "tiny-wide", ffn_hidden_size=(512, 768))
+    proc = dapo(*run[:-1], "train.name=b", f"model.arch={wider}", "--resume", str(ckpt), check=False)
+    assert proc.returncode == 2
+    assert _only_error_line(proc.stderr) == (
+        f"error: {ckpt} (architecture tiny) vs model.arch = tiny-wide: ffn_hidden_size mismatch: model config has "
+        "768, checkpoint has 512"
+    )
+
+
+def test_dynamic_sampling_error_is_one_line_from_rank0(tmp_path):
+    """An untrained model gets every group wrong: with one generation batch allowed, dynamic sampling must fail.
+    Two ranks: rank 0 fails in the rollout, rank 1 is told (no hang, no traceback), one line, exit code 1."""
+    cmd = [*torchrun_cmd(2), "-m", "megatron_dapo.cli", "train", "--recipe", "demo_cpu",
+           *[a for a in BASE if not a.startswith("algo.dynamic_sampling")], "algo.max_gen_batches=1", "parallel.tp=2",
+           "train.steps=2", f"train.run_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    line = _only_error_line(proc.stderr)
+    assert line.startswith("error: ") and "algo.max_gen_batches" in line and "DriverError" not in line, line
+    assert "exitcode  : 1" in proc.stderr  # torchrun's summary: our ranks exited 1 (not a crash or a timeout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a size-limited tmpfs needs root")
+def test_full_disk_keeps_previous_checkpoint(tmp_path):
+    """The run directory on a 12 MiB tmpfs: the first checkpoint (6 MiB) fits, the second does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12M", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        proc = dapo("train", "--recipe", "demo_cpu", *BASE, "train.save_interval=1", "train.keep_checkpoints=1",
+                    "train.steps=3", f"train.run_dir={disk}", "train.name=full", check=False)  # fmt: skip
+        ckpts = disk / "full" / "checkpoints"
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        line = _only_error_line(proc.stderr)
+        assert line.startswith(f"error: checkpoint {ckpts}/step_000002 was not written (") and " MiB free " in line
+        assert line.endswith(f"the previous checkpoint {ckpts}/step_000001 is kept"), line
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
+        assert (ckpts / "step_000001" / "dapo_meta.json").is_file()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
