@@ -125,8 +125,8 @@ class Trainer:
         self.stopped_early = False
         self.resumed_from = self._resume_path(resume)  # checked before the model is built
         self.actor = MegatronActor(cfg, self.arch)
+        self.samples_generated = 0  # over the whole run (resumes included): train.sample_budget
         self.start_step = self._restore(self.resumed_from)
-        self.samples_generated = 0  # this run's, for train.sample_budget
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -264,7 +264,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        extra = {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict(), "step": step}
+        extra = {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict(), "step": step,
+                 "samples_generated": self.samples_generated}  # fmt: skip
         self.actor.save(self.ckpt_dir / runs.checkpoint_dir_name(step), extra=extra)
         if is_driver() and self.cfg.train.keep_checkpoints:  # keep the newest train.keep_checkpoints, by step number
             for _, old in runs.checkpoints(self.ckpt_dir)[: -self.cfg.train.keep_checkpoints]:
@@ -315,6 +316,7 @@ class Trainer:
                 load_hf_into_model(self.actor.model, self.arch, self.cfg.model.hf_init, te=self.actor.te)
             return 0
         extra = self.actor.load(path)
+        self.samples_generated = int(extra.get("samples_generated", 0))
         self.prompts.load_state_dict(extra["prompts"])
         self.sampler.load_state_dict(extra["sampler"])
         if is_driver():
