@@ -4,6 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 # The CPU build of torch (pip takes it from local disk on our machines; elsewhere from the CPU index).
 TORCH   ?= torch==2.13.0
+SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-fast lint bench clean gpu-test
@@ -26,11 +27,19 @@ $(VENV)/.installed-launch: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[launch]"
 	@touch $@
 
+# The real SGLang server on CPU cores (tests, demo-sglang), in the same .venv: its light requirements constrained to the
+# CPU torch, then sglang itself without its declared (CUDA) dependencies. See requirements/sglang-cpu.txt.
+$(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-cpu.txt requirements/torch-cpu.txt
+	$(BIN)/pip install -q -c requirements/torch-cpu.txt -r requirements/sglang-cpu.txt
+	$(BIN)/pip install -q --no-deps "$(SGLANG)"
+	@touch $@
+
 demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
 	$(BIN)/dapo train --recipe demo_cpu
 
-test: $(VENV)/.installed-launch  ## the whole CPU suite (unit, multi-process, e2e, local Slurm); tests/gpu skip w/o CUDA
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+# DAPO_REQUIRE_SGLANG=1: the real-SGLang tests (tests/sglang) fail instead of skipping if sglang is missing.
+test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
+	DAPO_REQUIRE_SGLANG=1 $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
