@@ -95,14 +95,22 @@ class SamplingConfig:
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = "hf"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    weight_sync: Literal["copy", "cuda_ipc", "nccl", "disk"] = "copy"
+    # copy: in process (hf engine); tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU);
+    # distributed: a process group with the servers (NCCL on GPU, gloo on CPU); disk: safetensors files
+    weight_sync: Literal["copy", "tensor", "distributed", "disk"] = "copy"
     bucket_mb: int = 512
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
     hf_max_batch: int = 64  # HF engine (CPU): sequences per generate call, whole groups; also the abort granularity
-    # SGLang (GPU)
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None  # the rollout engine's weights; None = model.dtype
+    # SGLang
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
     sglang_tp: int = 1
+    sglang_device: Literal["cuda", "cpu"] = "cuda"  # cpu: the real server on CPU cores (tests, demo_cpu_sglang)
+    sglang_deterministic: bool = True  # --enable-deterministic-inference (honours sampling seeds; GPU backends only)
+    sglang_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags
+    sglang_env: list[str] = field(default_factory=list)  # KEY=VALUE for the server processes
+    sglang_pythonpath: list[str] = field(default_factory=list)  # prepended to the servers' PYTHONPATH
     mem_fraction: float = 0.6
     colocate: bool = True
     server_timeout_s: float = 600.0
@@ -484,7 +492,20 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     if r.engine == "hf" and r.weight_sync != "copy":
         fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
     if r.engine == "sglang" and r.weight_sync == "copy":
-        fail("rollout.weight_sync", r.weight_sync, "sglang needs cuda_ipc, nccl or disk")
+        fail("rollout.weight_sync", r.weight_sync, "sglang needs tensor, distributed or disk")
+    for kv in r.sglang_env:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            fail("rollout.sglang_env", kv, "entries are KEY=VALUE")
+    if r.sglang_device == "cpu" and r.sglang_deterministic:
+        fail(
+            "rollout.sglang_deterministic",
+            r.sglang_deterministic,
+            "SGLang's deterministic inference needs a GPU attention backend (on a CPU it only has torch_native)",
+        )
+    if r.engine == "sglang" and not r.server_urls:
+        for path in r.sglang_pythonpath:
+            if not Path(path).is_dir():
+                fail("rollout.sglang_pythonpath", path, f"not a directory (relative to {Path.cwd()})")
     if d.max_prompt_len < 1:
         fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
     if d.synthetic == "none" and not d.train_files:

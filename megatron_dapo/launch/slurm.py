@@ -299,8 +299,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     else:
         if r.colocate:
             raise ConfigError("rollout.colocate = True contradicts cluster.placement = 'disaggregated'")
-        if r.weight_sync == "cuda_ipc":
-            raise ConfigError("rollout.weight_sync = 'cuda_ipc' only works on one node: use nccl when disaggregated")
+        if r.weight_sync == "tensor":
+            raise ConfigError("rollout.weight_sync = 'tensor' (CUDA IPC) only works on one node: use distributed "
+                              "when disaggregated")  # fmt: skip
         if not 0 < c.rollout_nodes < len(nodes):
             raise ConfigError(f"cluster.rollout_nodes = {c.rollout_nodes}: need 0 < rollout_nodes < {len(nodes)} nodes")
         placement, train_nodes, rollout_nodes = "disaggregated", nodes[: -c.rollout_nodes], nodes[-c.rollout_nodes :]

@@ -120,7 +120,7 @@ def test_colocated_plan_16_nodes():
 
 def test_disaggregated_plan():
     plan = plan_for("cluster.placement=disaggregated", "cluster.rollout_nodes=4", "rollout.colocate=false",
-                    "rollout.weight_sync=nccl", nodes=16)  # fmt: skip
+                    "rollout.weight_sync=distributed", nodes=16)  # fmt: skip
     assert plan.train_nodes == [f"node{i}" for i in range(1, 13)]
     assert plan.rollout_nodes == [f"node{i}" for i in range(13, 17)]
     assert plan.world_size == 12 * 8 and plan.dp == 96 // (8 * 1 * 2)
@@ -140,12 +140,12 @@ def test_disaggregated_plan():
                 "cluster.placement=disaggregated",
                 "cluster.rollout_nodes=2",
                 "rollout.colocate=false",
-                "rollout.weight_sync=nccl",
+                "rollout.weight_sync=distributed",
             ],
             "cluster.rollout_nodes",
         ),  # fmt: skip
         (
-            ["cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.weight_sync=nccl"],
+            ["cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.weight_sync=distributed"],
             "rollout.colocate",
         ),
         (["parallel.tp=3"], "parallel.tp"),

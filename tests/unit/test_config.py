@@ -87,3 +87,18 @@ def test_architectures_load_and_validate(tmp_path):
     bad.write_text("num_attention_heads: 4\nnum_query_groups: 3\n")
     with pytest.raises(ConfigError, match=f"{bad}: num_query_groups = 3: must divide num_attention_heads"):
         load_arch(bad)
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit",
+    [
+        (["rollout.sglang_env=[NOVALUE]"], "rollout.sglang_env"),
+        (["rollout.engine=sglang", "rollout.weight_sync=copy"], "rollout.weight_sync"),
+        (["rollout.sglang_device=cpu"], "rollout.sglang_deterministic"),  # torch_native has no deterministic mode
+        (["rollout.engine=sglang", "rollout.weight_sync=tensor", "rollout.sglang_pythonpath=[/no/such/dir]"],
+         "rollout.sglang_pythonpath"),
+    ],
+)  # fmt: skip
+def test_sglang_settings_are_checked(overrides, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        load_config("demo_cpu", overrides)
