@@ -104,7 +104,11 @@ def test_colocated_plan_16_nodes():
     for s in plan.servers:
         cmd = " ".join(s.command)
         assert "-m sglang.launch_server --model-path /models/Qwen2.5-32B" in cmd
-        assert "--tp-size 4" in cmd and "--dp-size 2" in cmd and "--enable-memory-saver" in cmd
+        assert (
+            "--tp-size 4" in cmd and "--dp-size" not in cmd and "--enable-memory-saver" in cmd
+        )  # SGLang: dp must be 1
+        assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=1" in s.srun  # T=1 logprobs, the engine convention
+        assert "--enable-deterministic-inference" in cmd  # else SGLang ignores sampling_seed
         assert "--port 30000" in cmd and "--mem-fraction-static 0.6" in cmd
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
     t = plan.trainer.srun
