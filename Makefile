@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint bench clean gpu-test
+.PHONY: setup demo demo-sglang test test-fast lint bench clean gpu-test
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -36,6 +36,9 @@ $(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-cpu.txt requir
 
 demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
 	$(BIN)/dapo train --recipe demo_cpu
+
+demo-sglang: $(VENV)/.installed-sglang  ## the same demo, rolled out by the real SGLang server on the CPU
+	$(BIN)/dapo train --recipe demo_cpu_sglang
 
 # DAPO_REQUIRE_SGLANG=1: the real-SGLang tests (tests/sglang) fail instead of skipping if sglang is missing.
 test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA

@@ -3,7 +3,7 @@
     cfg = load_config("demo_cpu", overrides=["algo.eps_high=0.3", "train.steps=5"])
 
 A recipe is a YAML file (or the name of one in ``megatron_dapo/recipes/``) whose top-level sections match
-``DapoConfig``'s fields. Every error names the key and where it came from (file or command line), e.g.
+``DapoConfig``'s fields; ``base: NAME`` starts from another recipe and overrides its keys section by section. Every error names the key and where it came from (file or command line), e.g.
 ``ConfigError: recipes/demo_cpu.yaml: algo.eps_low = 1.5: must be in (0, 1)``.
 """
 
@@ -338,13 +338,32 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A recipe's YAML; ``base: other_recipe`` starts from that recipe, this file's sections merged over it."""
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = resolve_recipe(base)
+    if base_path.resolve() in seen:
+        raise ConfigError(f"{path}: base = {base!r}: recipes include each other")
+    return _merge(_read_recipe(base_path, (*seen, path.resolve())), data)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> DapoConfig:
     """Load a recipe (name or path), apply ``key=value`` overrides, validate; raise ``ConfigError`` naming the key."""
     data: dict = {}
     source = "defaults"
     if recipe is not None:
         path = resolve_recipe(recipe)
-        data = _read_yaml(path)
+        data = _read_recipe(path)
         source = str(path)
     # Check the file alone first, so that an error in it is reported against the file, not the command line.
     _from_dict(DapoConfig, data, source)

@@ -45,11 +45,12 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path) -> dict[str, float]:
     datasets = build_eval_datasets(cfg, tokenizer)
     actor = MegatronActor(cfg, arch)
     actor.load(path, load_optimizer=False)
-    rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name)
+    rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name, actor)
     rollout.sync_weights(actor, version=0)
     results = None
     if is_driver():
         results = run_eval(
             rollout.engine, RewardScorer(), datasets, cfg.eval, cfg.rollout.sampling.max_new_tokens, cfg.train.seed
         )
+    rollout.close()
     return broadcast(results)

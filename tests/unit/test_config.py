@@ -102,3 +102,17 @@ def test_architectures_load_and_validate(tmp_path):
 def test_sglang_settings_are_checked(overrides, culprit):
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
         load_config("demo_cpu", overrides)
+
+
+def test_a_recipe_can_start_from_another(tmp_path):
+    path = _recipe(tmp_path, "base: demo_cpu\nrollout: {engine: hf, hf_max_batch: 7}\ntrain: {name: child}\n")
+    c, base = load_config(path), load_config("demo_cpu")
+    assert c.rollout.hf_max_batch == 7 and c.train.name == "child"
+    assert c.rollout.sampling == base.rollout.sampling and c.train.steps == base.train.steps  # merged per key
+    s = load_config("demo_cpu_sglang")
+    assert (s.rollout.engine, s.rollout.sglang_device, s.rollout.dtype) == ("sglang", "cpu", "bf16")
+    assert s.algo == base.algo and s.train.steps == base.train.steps and s.model == base.model
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"base: {loop}\n")
+    with pytest.raises(ConfigError, match="include each other"):
+        load_config(loop)
