@@ -22,7 +22,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +233,7 @@ class SGLangServer:
     def stop(self, timeout: float = 30.0) -> None:
         """Terminate the process group this object started (SIGTERM, then SIGKILL); attached servers are left alone."""
         proc, self.proc = self.proc, None
+        _STARTED.discard(self)
         if proc is None or proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
@@ -293,7 +293,7 @@ def _refuse_data_parallel(args: Sequence[str]) -> None:
                 )
 
 
-_STARTED: weakref.WeakSet[SGLangServer] = weakref.WeakSet()
+_STARTED: set[SGLangServer] = set()  # running servers this process started (strong refs: stopped even when dropped)
 
 
 @atexit.register
