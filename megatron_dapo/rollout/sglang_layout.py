@@ -111,9 +111,10 @@ class ServerChecksums:
             return [torch.cat([p.chunk(tp)[r] for p in parts]) for r in range(tp)]
         (t,) = parts
         if target in VOCAB:
-            padded = torch.zeros((_pad_rows(t.shape[0], tp), *t.shape[1:]), dtype=t.dtype, device=t.device)
-            padded[: t.shape[0]] = t
-            return list(padded.chunk(tp))
+            rows = _pad_rows(t.shape[0], tp)
+            if rows != t.shape[0]:  # zero rows up to the padded size (a copy only when padding is needed)
+                t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+            return list(t.chunk(tp))
         if tp == 1 or t.dim() < 2 or not target.endswith(ROW_PARALLEL):
             return [t] * tp  # replicated (norms, row-parallel biases)
         return list(t.chunk(tp, dim=1))
