@@ -4,12 +4,13 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 # The CPU build of torch (pip takes it from local disk on our machines; elsewhere from the CPU index).
 TORCH   ?= torch==2.13.0
+SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
 GPU_PY  ?= python3
 
-.PHONY: setup demo test test-fast lint bench clean gpu-test gpu-smoke
+.PHONY: setup demo demo-sglang test test-fast lint bench ablation clean gpu-test gpu-smoke
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -29,11 +30,22 @@ $(VENV)/.installed-launch: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[launch]"
 	@touch $@
 
+# The real SGLang server on CPU cores (tests, demo-sglang), in the same .venv: its light requirements constrained to the
+# CPU torch, then sglang itself without its declared (CUDA) dependencies. See requirements/sglang-cpu.txt.
+$(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-cpu.txt requirements/torch-cpu.txt
+	$(BIN)/pip install -q -c requirements/torch-cpu.txt -r requirements/sglang-cpu.txt
+	$(BIN)/pip install -q --no-deps "$(SGLANG)"
+	@touch $@
+
 demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
 	$(BIN)/dapo train --recipe demo_cpu
 
-test: $(VENV)/.installed-launch  ## the whole CPU suite (unit, multi-process, e2e, local Slurm); tests/gpu skip w/o CUDA
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+demo-sglang: $(VENV)/.installed-sglang  ## the same demo, rolled out by the real SGLang server on the CPU
+	$(BIN)/dapo train --recipe demo_cpu_sglang
+
+# DAPO_REQUIRE_SGLANG=1: the real-SGLang tests (tests/sglang) fail instead of skipping if sglang is missing.
+test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
+	DAPO_REQUIRE_SGLANG=1 $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)

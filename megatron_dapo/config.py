@@ -3,7 +3,7 @@
     cfg = load_config("demo_cpu", overrides=["algo.eps_high=0.3", "train.steps=5"])
 
 A recipe is a YAML file (or the name of one in ``megatron_dapo/recipes/``) whose top-level sections match
-``DapoConfig``'s fields. Every error names the key and where it came from (file or command line), e.g.
+``DapoConfig``'s fields; ``base: NAME`` starts from another recipe and overrides its keys section by section. Every error names the key and where it came from (file or command line), e.g.
 ``ConfigError: recipes/demo_cpu.yaml: algo.eps_low = 1.5: must be in (0, 1)``.
 """
 
@@ -101,14 +101,22 @@ class SamplingConfig:
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = "hf"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    weight_sync: Literal["copy", "cuda_ipc", "nccl", "disk"] = "copy"
+    # copy: in process (hf engine); tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU);
+    # distributed: a process group with the servers (NCCL on GPU, gloo on CPU); disk: safetensors files
+    weight_sync: Literal["copy", "tensor", "distributed", "disk"] = "copy"
     bucket_mb: int = 512
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
     hf_max_batch: int = 64  # HF engine (CPU): sequences per generate call, whole groups; also the abort granularity
-    # SGLang (GPU)
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None  # the rollout engine's weights; None = model.dtype
+    # SGLang
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
     sglang_tp: int = 1
+    sglang_device: Literal["cuda", "cpu"] = "cuda"  # cpu: the real server on CPU cores (tests, demo_cpu_sglang)
+    sglang_deterministic: bool = True  # --enable-deterministic-inference (honours sampling seeds; GPU backends only)
+    sglang_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags
+    sglang_env: list[str] = field(default_factory=list)  # KEY=VALUE for the server processes
+    sglang_pythonpath: list[str] = field(default_factory=list)  # prepended to the servers' PYTHONPATH
     mem_fraction: float = 0.6
     colocate: bool = True
     server_timeout_s: float = 600.0
@@ -357,13 +365,32 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A recipe's YAML; ``base: other_recipe`` starts from that recipe, this file's sections merged over it."""
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = resolve_recipe(base)
+    if base_path.resolve() in seen:
+        raise ConfigError(f"{path}: base = {base!r}: recipes include each other")
+    return _merge(_read_recipe(base_path, (*seen, path.resolve())), data)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> DapoConfig:
     """Load a recipe (name or path), apply ``key=value`` overrides, validate; raise ``ConfigError`` naming the key."""
     data: dict = {}
     source = "defaults"
     if recipe is not None:
         path = resolve_recipe(recipe)
-        data = _read_yaml(path)
+        data = _read_recipe(path)
         source = str(path)
     # Check the file alone first, so that an error in it is reported against the file, not the command line.
     _from_dict(DapoConfig, data, source)
@@ -576,7 +603,20 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     if r.engine == "hf" and r.weight_sync != "copy":
         fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
     if r.engine == "sglang" and r.weight_sync == "copy":
-        fail("rollout.weight_sync", r.weight_sync, "sglang needs cuda_ipc, nccl or disk")
+        fail("rollout.weight_sync", r.weight_sync, "sglang needs tensor, distributed or disk")
+    for kv in r.sglang_env:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            fail("rollout.sglang_env", kv, "entries are KEY=VALUE")
+    if r.sglang_device == "cpu" and r.sglang_deterministic:
+        fail(
+            "rollout.sglang_deterministic",
+            r.sglang_deterministic,
+            "SGLang's deterministic inference needs a GPU attention backend (on a CPU it only has torch_native)",
+        )
+    if r.engine == "sglang" and not r.server_urls:
+        for path in r.sglang_pythonpath:
+            if not Path(path).is_dir():
+                fail("rollout.sglang_pythonpath", path, f"not a directory (relative to {Path.cwd()})")
     if d.max_prompt_len < 1:
         fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
     if d.synthetic == "none" and not d.train_files:

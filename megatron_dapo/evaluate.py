@@ -70,7 +70,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     datasets = build_eval_datasets(cfg, tokenizer)
     actor = MegatronActor(cfg, arch)
     actor.load(path, load_optimizer=False)
-    rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name)
+    rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name, actor)
     rollout.sync_weights(actor, version=0)
     results, samples = None, []
     if is_driver():
@@ -81,4 +81,5 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
         if samples_out:
             Path(samples_out).parent.mkdir(parents=True, exist_ok=True)
             Path(samples_out).write_text("".join(json.dumps(r) + "\n" for r in samples))
+    rollout.close()
     return broadcast(results)

@@ -67,13 +67,19 @@ def on_driver(fn, *args):
 class RolloutDriver:
     """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export."""
 
-    def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path):
+    def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
         self.cfg, self.arch = cfg, arch
         self.engine = self.sync = None
+        model_path = cfg.model.hf_init
+        if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
+            from megatron_dapo.bridge.export import save_hf_checkpoint
+
+            model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
+            save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
         if is_driver():
             from megatron_dapo.rollout.weight_sync import make_weight_sync
 
-            self.engine = _make_engine(cfg, arch, tokenizer, run_dir)
+            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
             self.sync = make_weight_sync(cfg, self.engine)
 
     def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
@@ -85,8 +91,15 @@ class RolloutDriver:
                 pass
         return on_driver(lambda: self.sync.sync(buckets, version).metrics())
 
+    def close(self) -> None:
+        """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
+        if hasattr(self.sync, "close"):
+            self.sync.close()
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
-def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
+
+def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
     info = TokenizerInfo.from_hf(tokenizer)
     if cfg.rollout.engine == "hf":
         from megatron_dapo.rollout.hf_engine import HFEngine
@@ -95,9 +108,7 @@ def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path):
         return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine.from_config(cfg, cfg.model.hf_init, info, log_dir=run_dir / "sglang")
-    engine.start()
-    return engine
+    return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
 
 
 class Trainer:
@@ -130,7 +141,7 @@ class Trainer:
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
-        self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir)
+        self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
         self.scorer = RewardScorer() if is_driver() else None
         resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
         self.logger = (
@@ -182,6 +193,7 @@ class Trainer:
             self.export_hf(self.run_dir / "hf")
         if self.logger:
             self.logger.close()
+        self.rollout.close()
         return last
 
     def _budget_spent(self, started: float) -> bool:

@@ -160,17 +160,28 @@ def _fill(template: str, **values: object) -> list[str]:
     return [tok.format(**values) for tok in shlex.split(template)]
 
 
-def sglang_server_command(cfg: DapoConfig, python: str, port: int, dp: int, colocated: bool) -> list[str]:
+def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
+    """The environment of every server task (``srun --export``): T=1 logprobs (the engine's convention), the platform's
+    variables and ``rollout.sglang_env``."""
+    from megatron_dapo.rollout.sglang_server import PLATFORMS
+
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(PLATFORMS[cfg.rollout.sglang_device].env)}
+    return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
+
+
+def sglang_server_command(cfg: DapoConfig, python: str, port: int, colocated: bool) -> list[str]:
+    """One node's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``).
+
+    No ``--dp-size``: SGLang's weight-update endpoints assert dp_size == 1, so a data-parallel server could never be
+    synced; the server uses ``rollout.sglang_tp`` GPUs of its node (one engine per TP group: issue 14)."""
+    from megatron_dapo.rollout.sglang_server import PLATFORMS, server_args
+
     r = cfg.rollout
     if not cfg.model.hf_init:
         raise ConfigError("model.hf_init = None: SGLang servers (rollout.engine = 'sglang') need an HF checkpoint dir")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_init, "--host", "0.0.0.0"]
     cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--mem-fraction-static", str(r.mem_fraction)]
-    cmd += ["--dtype", _DTYPES[cfg.model.dtype], "--random-seed", str(cfg.train.seed)]
-    if dp > 1:
-        cmd += ["--dp-size", str(dp)]
-    if cfg.model.tokenizer:
-        cmd += ["--tokenizer-path", cfg.model.tokenizer]
+    cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
     if colocated:
         cmd.append("--enable-memory-saver")
     return cmd
@@ -213,8 +224,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     else:
         if r.colocate:
             raise ConfigError("rollout.colocate = True contradicts cluster.placement = 'disaggregated'")
-        if r.weight_sync == "cuda_ipc":
-            raise ConfigError("rollout.weight_sync = 'cuda_ipc' only works on one node: use nccl when disaggregated")
+        if r.weight_sync == "tensor":
+            raise ConfigError("rollout.weight_sync = 'tensor' (CUDA IPC) only works on one node: use distributed "
+                              "when disaggregated")  # fmt: skip
         if not 0 < c.rollout_nodes < len(nodes):
             raise ConfigError(f"cluster.rollout_nodes = {c.rollout_nodes}: need 0 < rollout_nodes < {len(nodes)} nodes")
         placement, train_nodes, rollout_nodes = "disaggregated", nodes[: -c.rollout_nodes], nodes[-c.rollout_nodes :]
@@ -258,10 +270,11 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         if opts.server_cmd:
             command = _fill(opts.server_cmd, python=py, node=node, port=port, index=i, log_dir=log_dir)
         else:
-            command = sglang_server_command(cfg, py, port, gpus // r.sglang_tp, placement == "colocated")
+            command = sglang_server_command(cfg, py, port, placement == "colocated")
             command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         name, log = f"dapo-server-{node}", f"{log_dir}/server-{node}.log"
-        servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + command, log,
+        export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in sglang_server_env(cfg).items())])
+        servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + [export] + command, log,
                             f"http://{addr[node]}:{port}"))  # fmt: skip
 
     urls = [s.url for s in servers] or list(r.server_urls)
@@ -310,7 +323,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
 # Execution: start, wait for health, supervise, tear down
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_ok(url: str, timeout: float = 30.0) -> bool:
+    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster proxies must not see node URLs
     try:
         with opener.open(url, timeout=timeout) as resp:

@@ -23,7 +23,7 @@ from megatron_dapo.rollout.engine import (
 _LAZY = {
     "HFEngine": "megatron_dapo.rollout.hf_engine",
     "SGLangEngine": "megatron_dapo.rollout.sglang_engine",
-    "SGLangServer": "megatron_dapo.rollout.sglang_engine",
+    "SGLangServer": "megatron_dapo.rollout.sglang_server",
     "WeightSync": "megatron_dapo.rollout.weight_sync",
     "SyncReport": "megatron_dapo.rollout.weight_sync",
     "make_weight_sync": "megatron_dapo.rollout.weight_sync",

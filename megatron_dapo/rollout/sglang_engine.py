@@ -1,36 +1,30 @@
-"""The GPU rollout engine: SGLang servers driven over HTTP (sglang itself is imported by nothing here).
+"""The SGLang rollout engine: SGLang servers driven over HTTP (sglang itself is imported by nothing here).
 
-    servers = [SGLangServer(hf_dir, port=30000, tp_size=8, mem_fraction=0.6, memory_saver=True)]
+    servers = [SGLangServer(hf_dir, port=30000, tp_size=8, mem_fraction=0.6, memory_saver=True)]    # GPU
+    servers = [SGLangServer(hf_dir, device="cpu", pythonpath=[stand_ins], mem_fraction=0.05)]        # CPU
     engine = SGLangEngine(servers, tokenizer_info=tok, resync=lambda dead: weight_sync.sync(export(), v, dead))
     for group in engine.generate_stream(prompts, sampling, n=16): ...
     engine.shutdown()                                        # stops only the processes it started
 
-* ``SGLangServer``: one ``python -m sglang.launch_server`` subprocess (own process group, log file) or an attached
-  URL. ``wait_healthy`` polls /health and fails with the log tail; ``stop`` signals only its own process group.
+* ``SGLangServer`` (``sglang_server.py``): one ``python -m sglang.launch_server`` subprocess (own process group, log
+  file) or an attached URL. ``wait_healthy`` polls /health and fails with the log tail; ``stop`` signals only its own
+  process group.
 * ``SGLangEngine``: one HTTP request per sample (rid, ``sampling_seed``), bounded by ``max_concurrency`` threads
   (stdlib ``urllib``: no aiohttp/httpx dependency). /generate goes to ``router_url`` (sglang-router) when given,
   else round-robin over the workers; weight-sync, memory and abort calls always go to the workers (the router
   answers 404 for weight sync). A request that fails because a server died is re-issued after the engine, in the
   caller's thread, restarted the dead server (or waited for an attached one) and called ``resync(dead_servers)``
   to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests.
-* Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` so ``output_token_logprobs`` are the log-softmax of
-  the temperature-scaled logits, the convention of ``engine.py``.
+* ``PLATFORMS`` (``sglang_server.py``): what differs between SGLang on GPUs and on a CPU, as values (server flags
+  and environment, where the tensor transport's tensors live, the distributed transport's backend). Nothing else
+  branches on the device.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
-import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,187 +32,9 @@ from pathlib import Path
 
 from megatron_dapo.rollout import sglang_types as T
 from megatron_dapo.rollout.engine import Bucket, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
+from megatron_dapo.rollout.sglang_server import DTYPE_NAMES, ServerUnavailable, SGLangServer, http_call, server_args
 
 log = logging.getLogger(__name__)
-
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-class ServerUnavailable(RolloutError):
-    """No answer (connection refused/reset, timeout): the server may be dead."""
-
-
-class ServerRequestError(RolloutError):
-    """The server answered with an HTTP error status."""
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route local servers via a proxy
-
-
-def http_call(url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None):
-    """One JSON request; returns the parsed JSON answer (or text, or None when empty)."""
-    data = json.dumps(body).encode() if body is not None else None
-    method = method or ("POST" if data is not None else "GET")
-    req = urllib.request.Request(
-        url.rstrip("/") + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:1000].decode(errors="replace")
-        raise ServerRequestError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
-        raise ServerUnavailable(f"{method} {url}{path}: {e}") from e
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Server lifecycle
-
-
-class SGLangServer:
-    """One SGLang server: a subprocess this object started, or an attached URL (never stopped by us)."""
-
-    def __init__(
-        self,
-        model_path: str | Path | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        tp_size: int = 1,
-        mem_fraction: float = 0.6,
-        memory_saver: bool = False,
-        dtype: str | None = None,
-        extra_args: Sequence[str] = (),
-        launcher: Sequence[str] | None = None,
-        log_path: str | Path | None = None,
-        env: dict[str, str] | None = None,
-        url: str | None = None,
-    ):
-        if url is None and model_path is None:
-            raise ValueError("SGLangServer: give model_path (to start a server) or url (to attach to one)")
-        self.model_path = str(model_path) if model_path is not None else None
-        self.host, self.tp_size, self.mem_fraction, self.memory_saver = host, tp_size, mem_fraction, memory_saver
-        self.dtype = DTYPE_NAMES.get(dtype, dtype) if dtype else None
-        self.extra_args = list(extra_args)
-        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
-        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **(env or {})}  # tempered logprobs (engine.py)
-        self.attached = url is not None
-        if port is None and not self.attached:
-            from megatron_dapo.actor.dist import free_port  # lazily: this module's HTTP side needs no torch
-
-            port = free_port(host)
-        self.port = port
-        self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
-        self.log_path = (
-            Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
-        )
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @classmethod
-    def attach(cls, url: str, tp_size: int = 1) -> SGLangServer:
-        return cls(url=url, tp_size=tp_size)
-
-    @property
-    def url(self) -> str:
-        return self._url
-
-    def __repr__(self) -> str:
-        return f"SGLangServer({self.url}{', attached' if self.attached else ''})"
-
-    def argv(self) -> list[str]:
-        args = [*self.launcher, "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
-        args += ["--tp-size", str(self.tp_size), "--mem-fraction-static", str(self.mem_fraction)]
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        if self.memory_saver:
-            args.append("--enable-memory-saver")
-        return args + self.extra_args
-
-    def start(self) -> None:
-        if self.attached:
-            raise RolloutError(f"{self}: attached to an existing server; it cannot be started from here")
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
-            logf.write(f"\n==== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
-            logf.flush()
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                start_new_session=True,  # own process group: stop() signals it and nothing else
-            )
-        self.starts += 1
-        log.info("started %s (pid %d), log %s", self, self.proc.pid, self.log_path)
-
-    def healthy(self, timeout: float = 5.0) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            return False
-        try:
-            http_call(self.url, "/health", timeout=timeout)
-            return True
-        except RolloutError:
-            return False
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Poll /health until it answers 200; raise with the log tail on timeout or when the process exits."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RolloutError(
-                    f"{self} exited with code {self.proc.returncode} before becoming healthy; "
-                    f"log {self.log_path}, last lines:\n{self.log_tail()}"
-                )
-            if self.healthy(timeout=min(5.0, max(0.5, deadline - time.monotonic()))):
-                return
-            if time.monotonic() >= deadline:
-                raise RolloutError(
-                    f"{self} not healthy after {timeout:.0f} s (GET /health); log {self.log_path}, "
-                    f"last lines:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Terminate the process group this object started (SIGTERM, then SIGKILL); attached servers are left alone."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)  # pgid == pid (start_new_session)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def restart(self, timeout: float) -> None:
-        self.stop()
-        self.start()
-        self.wait_healthy(timeout)
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The engine
@@ -252,6 +68,9 @@ class SGLangEngine:
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         self.servers = list(servers)
+        if len({(s.platform, s.tp_size) for s in self.servers}) != 1:
+            raise ValueError(f"SGLangEngine: servers differ in device or TP size: {self.servers}")
+        self.platform, self.tp_size = self.servers[0].platform, self.servers[0].tp_size
         self.router_url = router_url.rstrip("/") if router_url else None
         self.tokenizer = tokenizer_info
         self.dtype = DTYPE_NAMES.get(dtype, dtype)
@@ -272,24 +91,27 @@ class SGLangEngine:
         """Attach to ``rollout.server_urls`` or start one local server with the rollout section's settings."""
         r = cfg.rollout
         if r.server_urls:
-            servers = [SGLangServer.attach(u, tp_size=r.sglang_tp) for u in r.server_urls]
+            servers = [SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device) for u in r.server_urls]
         else:
             log_path = Path(log_dir) / "sglang_server.log" if log_dir else None
             servers = [
                 SGLangServer(
-                    model_path,
-                    port=cfg.cluster.server_port,
+                    model_path,  # on a free port (cluster.server_port is the Slurm launcher's)
                     tp_size=r.sglang_tp,
                     mem_fraction=r.mem_fraction,
                     memory_saver=r.colocate,
-                    dtype=cfg.model.dtype,
+                    dtype=r.dtype or cfg.model.dtype,
+                    extra_args=server_args(cfg),
+                    env=dict(kv.split("=", 1) for kv in r.sglang_env),
                     log_path=log_path,
+                    device=r.sglang_device,
+                    pythonpath=r.sglang_pythonpath,
                 )
             ]
         return cls(
             servers,
             tokenizer_info=tokenizer_info,
-            dtype=cfg.model.dtype,
+            dtype=r.dtype or cfg.model.dtype,
             max_concurrency=r.max_concurrency,
             server_timeout=r.server_timeout_s,
         )
@@ -304,10 +126,12 @@ class SGLangEngine:
         for s in self.servers:
             s.wait_healthy(self.server_timeout)
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_servers: bool = True) -> None:
+        """Abort what is in flight and, unless ``stop_servers`` is False, stop the servers this engine started."""
         self.abort()
-        for s in self.servers:
-            s.stop()
+        if stop_servers:
+            for s in self.servers:
+                s.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> SGLangEngine:
@@ -350,7 +174,7 @@ class SGLangEngine:
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Protocol method: a plain (unverified) update through safetensors on disk. The trainer uses
         ``weight_sync.make_weight_sync`` for the configured transport with verification."""
-        from megatron_dapo.rollout.weight_sync import DiskSync
+        from megatron_dapo.rollout.sglang_sync import DiskSync
 
         DiskSync(self, verify="off").sync(buckets, version)
 
@@ -501,6 +325,11 @@ class SGLangEngine:
         dead = [s for s in self.servers if not s.healthy()]
         if not dead:
             return
+        if self._version != 0 and self.resync is None:
+            raise RolloutError(
+                f"{dead} died; restarted they would serve the initial weights but the engine is at weight version "
+                f"{self._version} and no resync callback was given: refusing to sample from stale weights"
+            )
         for s in dead:
             self.metrics["restarts"] += 1
             log.warning("%s is down; %s", s, "waiting for it" if s.attached else "restarting it")
@@ -509,9 +338,4 @@ class SGLangEngine:
             else:
                 s.restart(self.server_timeout)
         if self._version != 0:
-            if self.resync is None:
-                raise RolloutError(
-                    f"{dead} restarted with the initial weights but the engine is at weight version {self._version} "
-                    "and no resync callback was given: refusing to sample from stale weights"
-                )
             self.resync(dead)

@@ -237,9 +237,50 @@ class ResumeMemoryRequest(ReleaseMemoryRequest):
 
 
 @dataclass
-class GetWeightsByNameRequest(_Json):
-    name: str
-    truncate_size: int = 100  # SGLang returns the first `truncate_size` ROWS (dim 0) as nested float lists
+class BeginWeightUpdateRequest(_Json):
+    """Opens a weight-update session: /update_weights_from_tensor and /update_weights_from_distributed answer 400
+    outside one (sglang/srt/managers/scheduler_components/weight_updater.py). Disk updates need none."""
+
+    selector: str | None = None  # "target" | "draft" | "all" (SGLang's default)
+
+
+@dataclass
+class EndWeightUpdateRequest(_Json):
+    """Closes the session (post-processes the loaded weights); answers success = false when none is open."""
+
+
+@dataclass
+class CheckWeightsRequest(_Json):
+    """/weights_checker: ``checksum`` returns one hash per parameter, per TP rank, in SGLang's own (fused) layout."""
+
+    action: str = "checksum"
+    skip_tensor_list: list[str] | None = None
+
+
+@dataclass
+class RankChecksums(_Json):
+    checksums: dict = field(default_factory=dict)  # SGLang parameter name -> 16 hex digits
+    per_gpu_checksum: str = ""
+    parallelism_info: list | dict | None = None  # [{role, tp_rank, tp_size, dp_rank, ...}] (a dict in some versions)
+    STRICT: ClassVar[bool] = False
+
+    def role_info(self, role: str = "target") -> dict:
+        infos = self.parallelism_info if isinstance(self.parallelism_info, list) else [self.parallelism_info or {}]
+        return next((i for i in infos if i.get("role", role) == role), {})
+
+
+@dataclass
+class CheckWeightsResponse(_Json):
+    success: bool
+    message: str = ""
+    ranks: list[RankChecksums] = field(default_factory=list)
+    STRICT: ClassVar[bool] = False
+
+    @classmethod
+    def from_json(cls, data: Any) -> CheckWeightsResponse:
+        resp = super().from_json(data)
+        resp.ranks = [r if isinstance(r, RankChecksums) else RankChecksums.from_json(r) for r in resp.ranks or []]
+        return resp
 
 
 @dataclass
@@ -262,7 +303,7 @@ class SuccessResponse(_Json):
     STRICT: ClassVar[bool] = False
 
 
-# endpoint -> request type (the stand-in test server and the docs test use this table)
+# endpoint -> request type (POST JSON bodies this project sends)
 ENDPOINTS: dict[str, type] = {
     "/generate": GenerateRequest,
     "/update_weights_from_tensor": UpdateWeightsFromTensorRequest,
@@ -272,7 +313,9 @@ ENDPOINTS: dict[str, type] = {
     "/update_weights_from_disk": UpdateWeightsFromDiskRequest,
     "/release_memory_occupation": ReleaseMemoryRequest,
     "/resume_memory_occupation": ResumeMemoryRequest,
-    "/get_weights_by_name": GetWeightsByNameRequest,
+    "/begin_weight_update": BeginWeightUpdateRequest,
+    "/end_weight_update": EndWeightUpdateRequest,
+    "/weights_checker": CheckWeightsRequest,
     "/abort_request": AbortRequest,
     "/update_weight_version": UpdateWeightVersionRequest,
 }

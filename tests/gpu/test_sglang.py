@@ -1,11 +1,11 @@
-"""Real SGLang (GPU): launch a tiny random model saved as HF safetensors, generate with logprobs, sync weights by
-CUDA IPC, NCCL (needs 2 GPUs: NCCL refuses two ranks on one device) and disk, and check the logprob gap against a
-transformers forward of the same weights. Skipped cleanly without CUDA or without the sglang package."""
+"""Real SGLang on GPUs: the same server, engine, weight-sync transports, begin/end sessions, per-rank serialization
+and /weights_checker verification as tests/sglang (CPU cores); here the tensor transport hands over CUDA IPC handles,
+the distributed one broadcasts over NCCL (2 GPUs: NCCL refuses two ranks on one device), and the server runs its GPU
+kernels with --enable-deterministic-inference. A Qwen2 model (SGLang's /get_weights_by_name answers 400 for it)."""
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 
 import pytest
 import torch
@@ -14,120 +14,115 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("sglang")
 
-from megatron_dapo.bridge.hf_config import hf_from_arch  # noqa: E402
-from megatron_dapo.config import ArchConfig  # noqa: E402
-from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo, logprob_gap  # noqa: E402
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, SGLangServer  # noqa: E402
-from megatron_dapo.rollout.weight_sync import CudaIpcSync, DiskSync, NcclSync  # noqa: E402
+from megatron_dapo.rollout.engine import SamplingParams, WeightSyncError  # noqa: E402
+from megatron_dapo.rollout.sglang_server import SGLangServer  # noqa: E402
+from megatron_dapo.rollout.sglang_sync import DiskSync, DistributedSync, TensorSync  # noqa: E402
+from tests.sglang.helpers import (  # noqa: E402  # noqa: E402
+    ARCH,
+    buckets,
+    corrupting,
+    hf_logprobs,
+    make_engine,
+    mean_gap,
+    random_weights,
+    save_model,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-ARCH = ArchConfig(
-    name="gpu-tiny", family="llama", num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
-    num_query_groups=2, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, norm_eps=1e-5,
-    qkv_bias=False, tie_embeddings=False,
-)  # fmt: skip
-PROMPTS = [[1, 2, 3, 4], [10, 11], [100, 200, 300, 400, 500, 7]]
-GAP_LIMIT = 0.05  # mean |logp_sglang - logp_hf| in bf16 on a random tiny model
+GPU_ARCH = dataclasses.replace(ARCH, name="gpu-tiny", hidden_size=256, ffn_hidden_size=512, vocab_size=500)
+PROMPTS = [[1, 2, 3, 4], [10, 11], [100, 200, 300, 400, 450, 7]]
+GAP_LIMIT = 0.05  # mean |logp_sglang - logp_hf|, both bf16, on a random tiny model
+PARAMS = 16  # SGLang's parameters of a 2-layer Qwen2 (fused qkv_proj / gate_up_proj, tied embedding)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-def random_weights(seed: int) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    from megatron_dapo.bridge.hf_config import transformers_config
-
-    model = AutoModelForCausalLM.from_config(transformers_config(ARCH))
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            out[name] = 1 + 0.1 * torch.randn(t.shape, generator=g)
-        elif "embed" in name:
-            out[name] = torch.randn(t.shape, generator=g)
-        else:
-            out[name] = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
-    return {k: v.to(torch.bfloat16) for k, v in out.items()}
-
-
-def hf_logprobs(weights: dict, samples) -> list[list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    from megatron_dapo.bridge.hf_config import transformers_config
-
-    model = AutoModelForCausalLM.from_config(transformers_config(ARCH, "bfloat16")).to("cuda", torch.bfloat16)
-    model.load_state_dict({k: v.cuda() for k, v in weights.items()})
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-            lp = torch.log_softmax(model(ids).logits[0].float(), -1)[len(s.prompt_ids) - 1 : -1]
-            out.append(lp.gather(-1, torch.tensor(s.response_ids, device="cuda")[:, None]).squeeze(-1).tolist())
-    return out
+def gpu_server(model_dir, log_path, *extra: str, **kwargs) -> SGLangServer:
+    args = ["--skip-tokenizer-init", "--random-seed", "0", "--enable-deterministic-inference", *extra]
+    return SGLangServer(model_dir, mem_fraction=0.3, dtype="bf16", log_path=log_path, extra_args=args, **kwargs)
 
 
 def gap(weights, samples) -> float:
-    ref = hf_logprobs(weights, samples)
-    flat_a = [x for s in samples for x in s.logprobs]
-    flat_b = [x for r in ref for x in r]
-    return logprob_gap(torch.tensor(flat_a), torch.tensor(flat_b))[0]
+    return mean_gap(samples, hf_logprobs(weights, samples, arch=GPU_ARCH, device="cuda"))
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    d = tmp_path_factory.mktemp("gpu_tiny")
-    save_file({k: v.contiguous() for k, v in random_weights(0).items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(hf_from_arch(ARCH, "bfloat16")))
-    return d
+    return save_model(tmp_path_factory.mktemp("gpu_tiny"), GPU_ARCH, random_weights(GPU_ARCH, 0))
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    base = ["--skip-tokenizer-init", "--disable-cuda-graph", "--random-seed", "0"]
-    server = SGLangServer(
-        model_dir, tp_size=1, mem_fraction=0.3, memory_saver=True, dtype="bf16", extra_args=base,
-        log_path=tmp_path_factory.mktemp("logs") / "sglang.log",
-    )  # fmt: skip
-    eng = SGLangEngine([server], tokenizer_info=TokenizerInfo((), 0), dtype="bf16", server_timeout=600)
+    server = gpu_server(model_dir, tmp_path_factory.mktemp("logs") / "sglang.log", memory_saver=True)
+    server.start()
+    server.wait_healthy(600)
+    eng = make_engine(server)
     yield eng
     eng.shutdown()
 
 
-def test_generate_with_logprobs_matches_hf(engine):
-    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1), n=2)
+def test_generate_with_logprobs_matches_hf_and_honours_seeds(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, seed=1)
+    out = engine.generate(PROMPTS, sp, n=2)
     assert len(out) == 6 and all(len(s.response_ids) == len(s.logprobs) == 16 for s in out)
-    assert gap(random_weights(0), out) < GAP_LIMIT
+    assert gap(random_weights(GPU_ARCH, 0), out) < GAP_LIMIT
+    again = engine.generate(PROMPTS, sp, n=2)  # sampling_seed: honoured with --enable-deterministic-inference
+    assert [s.response_ids for s in again] == [s.response_ids for s in out]
 
 
-def test_cuda_ipc_sync_verified_and_used(engine):
-    new = random_weights(1)
-    report = CudaIpcSync(engine).sync([list(new.items())[:5], list(new.items())[5:]], version=1)
-    assert report.verified == len(new) and engine.weight_version == 1
+def test_tensor_sync_cuda_ipc_verified_and_used(engine):
+    new = random_weights(GPU_ARCH, 1)
+    report = TensorSync(engine).sync(buckets(new), version=1)
+    assert report.verified == PARAMS and engine.weight_version == 1
     out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16), n=2)
     assert gap(new, out) < GAP_LIMIT
-    assert gap(random_weights(0), out) > 5 * GAP_LIMIT, "the old weights must no longer explain the samples"
+    assert gap(random_weights(GPU_ARCH, 0), out) > 5 * GAP_LIMIT, "the old weights must no longer explain the samples"
+
+
+@pytest.mark.parametrize("transport", [TensorSync, DiskSync])
+def test_a_tensor_corrupted_on_the_way_is_named(engine, transport, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+    sync = corrupting(transport(engine) if transport is TensorSync else transport(engine, directory=tmp_path), name)
+    with pytest.raises(WeightSyncError, match=rf"tensor '{name}' on http://"):
+        sync.sync(buckets(random_weights(GPU_ARCH, 2)), version=2)
 
 
 def test_disk_sync_and_sleep_wake(engine, tmp_path):
-    new = random_weights(2)
+    new = random_weights(GPU_ARCH, 3)
     engine.sleep()
     engine.wake()
-    DiskSync(engine, directory=tmp_path).sync([list(new.items())], version=2)
+    assert DiskSync(engine, directory=tmp_path).sync(buckets(new), version=3).verified == PARAMS
     out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), n=1)
     assert gap(new, out) < GAP_LIMIT
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the server on another GPU than this process")
-def test_nccl_sync(model_dir, tmp_path):
-    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    server = SGLangServer(
-        model_dir, tp_size=1, mem_fraction=0.3, dtype="bf16", log_path=tmp_path / "sglang.log",
-        extra_args=["--skip-tokenizer-init", "--disable-cuda-graph", "--base-gpu-id", "1"],
-    )  # fmt: skip
-    with SGLangEngine([server], tokenizer_info=TokenizerInfo((), 0), dtype="bf16") as eng:
-        new = random_weights(3)
-        report = NcclSync(eng, master_address="127.0.0.1").sync([list(new.items())], version=3)
-        assert report.verified == len(new)
+@two_gpus
+def test_distributed_sync_over_nccl(model_dir, tmp_path):
+    server = gpu_server(model_dir, tmp_path / "sglang.log", "--base-gpu-id", "1")
+    with make_engine(server, server_timeout=600) as eng:
+        eng.start()
+        new = random_weights(GPU_ARCH, 4)
+        sync = DistributedSync(eng, master_address="127.0.0.1")
+        assert sync.backend == "nccl"
+        assert sync.sync(buckets(new), version=4).verified == PARAMS
+        out = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), n=1)
+        assert gap(new, out) < GAP_LIMIT
+        with pytest.raises(WeightSyncError, match="tensor 'model.norm.weight' on http://"):
+            corrupting(sync, "model.norm.weight").sync(buckets(random_weights(GPU_ARCH, 5)), version=5)
+        sync.close()
+
+
+@two_gpus
+def test_tp2_server_gets_one_ipc_serialization_per_rank(model_dir, tmp_path, monkeypatch):
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    serialize, blobs = MultiprocessingSerializer.serialize, []
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize", lambda *a, **k: blobs.append(1) or serialize(*a, **k))
+    server = gpu_server(model_dir, tmp_path / "sglang.log", tp_size=2)
+    with make_engine(server, server_timeout=600) as eng:
+        eng.start()
+        new = random_weights(GPU_ARCH, 6)
+        report = TensorSync(eng, head_dim=GPU_ARCH.head_dim).sync(buckets(new), version=6)
+        assert report.verified == 2 * PARAMS and len(blobs) == 2 * len(buckets(new))
         out = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), n=1)
         assert gap(new, out) < GAP_LIMIT

@@ -1,4 +1,9 @@
-"""Stand-in for ``python -m sglang.launch_server`` in the Slurm tests (SGLang cannot run on CPU).
+"""Stand-in for ``python -m sglang.launch_server`` in the Slurm launcher tests.
+
+Kept because the real server cannot be made to play this part: the launcher plans GPU servers (``--gpus-per-node``,
+one per node, several emulated nodes sharing this machine's 2 cores), and what these tests check is the supervision
+of the job steps (health polling, a crash on one node tearing the others down) within seconds. The real SGLang server
+on CPU cores (~30 s and ~2.4 GB per start) is tested in tests/sglang.
 
 Serves ``GET /health`` (200) until SIGTERM. ``--fail-on NODE`` makes the copy on Slurm node NODE exit with
 ``--code`` after ``--fail-after`` seconds (healthy until then), as a crashing server would. ``--pid-dir`` records each copy's pid

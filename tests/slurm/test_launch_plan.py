@@ -104,7 +104,9 @@ def test_colocated_plan_16_nodes():
     for s in plan.servers:
         cmd = " ".join(s.command)
         assert "-m sglang.launch_server --model-path /models/Qwen2.5-32B" in cmd
-        assert "--tp-size 4" in cmd and "--dp-size 2" in cmd and "--enable-memory-saver" in cmd
+        assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--enable-memory-saver" in cmd  # SGLang: dp 1
+        assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s.srun  # tempered logprobs, the engine convention
+        assert "--enable-deterministic-inference" in cmd  # else SGLang ignores sampling_seed
         assert "--port 10008" in cmd and "--nccl-port 10009" in cmd and "--mem-fraction-static 0.6" in cmd
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
     t = plan.trainer.srun
@@ -120,7 +122,7 @@ def test_colocated_plan_16_nodes():
 
 def test_disaggregated_plan():
     plan = plan_for("cluster.placement=disaggregated", "cluster.rollout_nodes=4", "rollout.colocate=false",
-                    "rollout.weight_sync=nccl", nodes=16)  # fmt: skip
+                    "rollout.weight_sync=distributed", nodes=16)  # fmt: skip
     assert plan.train_nodes == [f"node{i}" for i in range(1, 13)]
     assert plan.rollout_nodes == [f"node{i}" for i in range(13, 17)]
     assert plan.world_size == 12 * 8 and plan.dp == 96 // (8 * 1 * 2)
@@ -140,12 +142,12 @@ def test_disaggregated_plan():
                 "cluster.placement=disaggregated",
                 "cluster.rollout_nodes=2",
                 "rollout.colocate=false",
-                "rollout.weight_sync=nccl",
+                "rollout.weight_sync=distributed",
             ],
             "cluster.rollout_nodes",
         ),  # fmt: skip
         (
-            ["cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.weight_sync=nccl"],
+            ["cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.weight_sync=distributed"],
             "rollout.colocate",
         ),
         (["parallel.tp=3"], "parallel.tp"),

@@ -130,3 +130,32 @@ def test_parallel_sizes_that_do_not_divide_name_the_key():
     check_world_divides(ParallelConfig(tp=2, pp=2), 8)
     with pytest.raises(ConfigError, match=r"parallel\.tp x pp x cp = 2x2x1 = 4 does not divide the 6 ranks"):
         check_world_divides(ParallelConfig(tp=2, pp=2), 6)
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit",
+    [
+        (["rollout.sglang_env=[NOVALUE]"], "rollout.sglang_env"),
+        (["rollout.engine=sglang", "rollout.weight_sync=copy"], "rollout.weight_sync"),
+        (["rollout.sglang_device=cpu"], "rollout.sglang_deterministic"),  # torch_native has no deterministic mode
+        (["rollout.engine=sglang", "rollout.weight_sync=tensor", "rollout.sglang_pythonpath=[/no/such/dir]"],
+         "rollout.sglang_pythonpath"),
+    ],
+)  # fmt: skip
+def test_sglang_settings_are_checked(overrides, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        load_config("demo_cpu", overrides)
+
+
+def test_a_recipe_can_start_from_another(tmp_path):
+    path = _recipe(tmp_path, "base: demo_cpu\nrollout: {engine: hf, hf_max_batch: 7}\ntrain: {name: child}\n")
+    c, base = load_config(path), load_config("demo_cpu")
+    assert c.rollout.hf_max_batch == 7 and c.train.name == "child"
+    assert c.rollout.sampling == base.rollout.sampling and c.train.steps == base.train.steps  # merged per key
+    s = load_config("demo_cpu_sglang")
+    assert (s.rollout.engine, s.rollout.sglang_device, s.rollout.dtype) == ("sglang", "cpu", "bf16")
+    assert s.algo == base.algo and s.train.steps == base.train.steps and s.model == base.model
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"base: {loop}\n")
+    with pytest.raises(ConfigError, match="include each other"):
+        load_config(loop)

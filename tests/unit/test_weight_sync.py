@@ -1,7 +1,7 @@
 """Verified weight sync into the HF engine (copy transport) and the checksum it relies on.
 
-The SGLang transports' verification path (disk + /get_weights_by_name) is tested against a stand-in server in
-test_rollout_sglang.py; CUDA IPC and NCCL in tests/gpu/test_sglang.py."""
+The SGLang transports (tensor, distributed, disk) are tested against the real SGLang server in tests/sglang/
+(on CPU cores) and tests/gpu/test_sglang.py (GPU)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_factory_follows_config(engine, tmp_path):
     assert isinstance(make_weight_sync(cfg, engine), CopySync)
     cfg.rollout.verify_sync = "off"
     assert make_weight_sync(cfg, engine).verify_mode == "off"
-    for kind in ("disk", "cuda_ipc", "nccl"):
+    for kind in ("disk", "tensor", "distributed"):
         cfg.rollout.weight_sync = kind
         with pytest.raises(WeightSyncError, match="needs an SGLang engine"):
             make_weight_sync(cfg, engine)

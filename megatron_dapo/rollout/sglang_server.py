@@ -1,0 +1,303 @@
+"""SGLang server processes and HTTP: ``SGLangServer`` (start, health, stop, restart, or attach to a URL), ``http_call``,
+and ``PLATFORMS``, what differs between SGLang on GPUs and on a CPU, as values.
+
+    server = SGLangServer(hf_dir, port=30000, tp_size=8, mem_fraction=0.6, memory_saver=True)          # GPU
+    server = SGLangServer(hf_dir, device="cpu", pythonpath=[stand_ins], mem_fraction=0.05)             # CPU
+    server.start(); server.wait_healthy(600); ...; server.stop()      # stops only the process group it started
+
+Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` so ``output_token_logprobs`` are the log-softmax of
+the temperature-scaled logits, the convention of ``engine.py`` (sglang 0.5.23 srt/layers/sampler.py:275). sglang itself is imported by nothing here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_dapo.rollout.engine import RolloutError
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+HEALTH_TIMEOUT_S = 30.0  # GET /health runs a 1-token generation: seconds on a busy server
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where SGLang runs, as values: the only place the device matters."""
+
+    name: str
+    server_args: tuple[str, ...]  # appended to every `sglang.launch_server` command
+    env: tuple[tuple[str, str], ...]  # set for the server processes
+    tensor_device: str  # the tensor transport hands over tensors here (cuda: CUDA IPC handles; cpu: shared memory)
+    group_backend: str  # torch.distributed backend of the distributed transport's group
+    sharing_strategy: str | None = None  # torch.multiprocessing sharing strategy the tensor transport needs
+    # CUDA IPC handles name their device by UUID, as the server expects (sglang/srt/utils/patch_torch.py; the patch
+    # handles CUDA tensors only: it breaks the pickling of CPU tensors)
+    patch_ipc_reductions: bool = False
+
+
+PLATFORMS = {
+    "cuda": Platform("cuda", (), (), tensor_device="cuda", group_backend="nccl", patch_ipc_reductions=True),
+    # The real SGLang 0.5.23 on a CPU (tests, demo_cpu_sglang). The server process also needs two import-only stand-ins
+    # on its PYTHONPATH (rollout.sglang_pythonpath; see tests/sglang_cpu_support).
+    "cpu": Platform(
+        "cpu",
+        (
+            "--device", "cpu",
+            "--attention-backend", "torch_native",  # the only attention backend SGLang runs on a CPU without AMX
+            "--disable-cuda-graph",
+            "--disable-overlap-schedule",
+            "--sleep-on-idle",  # without it the idle scheduler spins one core at 100%
+        ),
+        # without it `--device cpu` fails importing vllm (sglang/srt/layers/rotary_embedding)
+        (("SGLANG_USE_CPU_ENGINE", "1"),),
+        tensor_device="cpu",
+        group_backend="gloo",
+        # CPU tensors reach the server as shared-memory FILES: with torch's default "file_descriptor" strategy the
+        # server must fetch the fds over a socket authenticated with this process tree's key, which it lacks; its
+        # scheduler dies with AuthenticationError in rebuild_storage_fd (torch/multiprocessing/reductions.py).
+        sharing_strategy="file_system",
+    ),
+}  # fmt: skip
+DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
+
+
+class ServerUnavailable(RolloutError):
+    """No answer (connection refused/reset, timeout): the server may be dead."""
+
+
+class ServerRequestError(RolloutError):
+    """The server answered with an HTTP error status."""
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route local servers via a proxy
+
+
+def http_call(url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None):
+    """One JSON request; returns the parsed JSON answer (or text, or None when empty)."""
+    data = json.dumps(body).encode() if body is not None else None
+    method = method or ("POST" if data is not None else "GET")
+    req = urllib.request.Request(
+        url.rstrip("/") + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:1000].decode(errors="replace")
+        raise ServerRequestError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError, OSError) as e:
+        raise ServerUnavailable(f"{method} {url}{path}: {e}") from e
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Server lifecycle
+
+
+class SGLangServer:
+    """One SGLang server: a subprocess this object started, or an attached URL (never stopped by us)."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        tp_size: int = 1,
+        mem_fraction: float = 0.6,
+        memory_saver: bool = False,
+        dtype: str | None = None,
+        extra_args: Sequence[str] = (),
+        launcher: Sequence[str] | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        url: str | None = None,
+        device: str = "cuda",
+        pythonpath: Sequence[str | Path] = (),
+    ):
+        if url is None and model_path is None:
+            raise ValueError("SGLangServer: give model_path (to start a server) or url (to attach to one)")
+        if device not in PLATFORMS:
+            raise ValueError(f"SGLangServer: device = {device!r}: expected one of {sorted(PLATFORMS)}")
+        self.model_path = str(model_path) if model_path is not None else None
+        self.host, self.tp_size, self.mem_fraction, self.memory_saver = host, tp_size, mem_fraction, memory_saver
+        self.platform = PLATFORMS[device]
+        self.dtype = DTYPE_NAMES.get(dtype, dtype) if dtype else None
+        self.extra_args = list(extra_args)
+        _refuse_data_parallel(self.extra_args)
+        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
+        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(self.platform.env), **(env or {})}
+        if pythonpath:
+            parts = [str(Path(p).resolve()) for p in pythonpath] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+            self.env["PYTHONPATH"] = os.pathsep.join(parts)
+        self.attached = url is not None
+        if port is None and not self.attached:
+            from megatron_dapo.actor.dist import free_port  # lazily: this module's HTTP side needs no torch
+
+            port = free_port(host)
+        self.port = port
+        self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
+        self.log_path = (
+            Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        )
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @classmethod
+    def attach(cls, url: str, tp_size: int = 1, device: str = "cuda") -> SGLangServer:
+        return cls(url=url, tp_size=tp_size, device=device)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def __repr__(self) -> str:
+        return f"SGLangServer({self.url}{', attached' if self.attached else ''})"
+
+    def argv(self) -> list[str]:
+        args = [*self.launcher, "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
+        args += ["--tp-size", str(self.tp_size), "--mem-fraction-static", str(self.mem_fraction)]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.memory_saver:
+            args.append("--enable-memory-saver")
+        return args + list(self.platform.server_args) + self.extra_args
+
+    def start(self) -> None:
+        if self.attached:
+            raise RolloutError(f"{self}: attached to an existing server; it cannot be started from here")
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n==== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
+            logf.flush()
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # own process group: stop() signals it and nothing else
+            )
+        self.starts += 1
+        _STARTED.add(self)
+        log.info("started %s (pid %d), log %s", self, self.proc.pid, self.log_path)
+
+    def healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            http_call(self.url, "/health", timeout=timeout)
+            return True
+        except RolloutError:
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health until it answers 200; raise with the log tail on timeout or when the process exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RolloutError(
+                    f"{self} exited with code {self.proc.returncode} before becoming healthy; "
+                    f"log {self.log_path}, last lines:\n{self.log_tail()}"
+                )
+            if self.healthy(timeout=min(HEALTH_TIMEOUT_S, max(0.5, deadline - time.monotonic()))):
+                return
+            if time.monotonic() >= deadline:
+                raise RolloutError(
+                    f"{self} not healthy after {timeout:.0f} s (GET /health); log {self.log_path}, "
+                    f"last lines:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Terminate the process group this object started (SIGTERM, then SIGKILL); attached servers are left alone."""
+        proc, self.proc = self.proc, None
+        _STARTED.discard(self)
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)  # pgid == pid (start_new_session)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def restart(self, timeout: float) -> None:
+        self.stop()
+        self.start()
+        self.wait_healthy(timeout)
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def server_args(cfg) -> list[str]:
+    """The `sglang.launch_server` flags a run's config asks for (the platform's own come from ``PLATFORMS``); the Slurm
+    launcher uses the same list."""
+    r = cfg.rollout
+    args = ["--random-seed", str(cfg.train.seed)]
+    if r.sglang_deterministic:  # sampling_seed is ignored without it (GPU attention backends only)
+        args.append("--enable-deterministic-inference")
+    if cfg.model.tokenizer:
+        args += ["--tokenizer-path", cfg.model.tokenizer]
+    elif not cfg.model.hf_init:  # the project's char tokenizer is no HF tokenizer: ids in, ids out
+        args.append("--skip-tokenizer-init")
+    return args + list(r.sglang_args)
+
+
+def _refuse_data_parallel(args: Sequence[str]) -> None:
+    """SGLang's weight-update endpoints assert ``dp_size == 1`` (sglang/srt/managers/tokenizer_control_mixin.py): a
+    server with ``--dp-size > 1`` would fail every sync. Start one server per rollout TP group instead."""
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag in DP_FLAGS:
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            if int(value) > 1:
+                raise ValueError(
+                    f"SGLang server argument {flag} {value}: every weight-update endpoint of SGLang 0.5 asserts "
+                    "dp_size == 1; start one server per rollout TP group instead"
+                )
+
+
+_STARTED: set[SGLangServer] = set()  # running servers this process started (strong refs: stopped even when dropped)
+
+
+@atexit.register
+def _stop_started_servers() -> None:
+    """Servers run in their own process group (they outlive us otherwise): stop the ones this process started."""
+    for server in list(_STARTED):
+        server.stop(timeout=10)

@@ -1,0 +1,60 @@
+"""The REAL SGLang 0.5.23 server on CPU cores, shared by the tests of this folder (one start-up: ~30 s on 2 cores).
+
+It needs the sglang environment (`make .venv/.installed-sglang`; `make test` installs it). Without sglang these
+tests skip, unless DAPO_REQUIRE_SGLANG=1 (set by `make test`), where they fail: CI never skips them silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sglang.helpers import ARCH, cpu_server, make_engine, random_weights, save_model
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_SGLANG:
+        return
+    if os.environ.get("DAPO_REQUIRE_SGLANG") == "1":
+        raise pytest.UsageError("DAPO_REQUIRE_SGLANG=1 but sglang is not installed: make .venv/.installed-sglang")
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="sglang is not installed (make .venv/.installed-sglang)")
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def initial_weights() -> dict[str, torch.Tensor]:
+    return random_weights(ARCH, seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, initial_weights) -> Path:
+    return save_model(tmp_path_factory.mktemp("sglang_tiny"), ARCH, initial_weights)
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """The session's server; a test that kills it leaves it to the next ``engine`` fixture to restart."""
+    s = cpu_server(model_dir, tmp_path_factory.mktemp("sglang_logs") / "server.log")
+    s.start()
+    s.wait_healthy(300)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def engine(server):
+    """An engine on the session's server (restarted if a previous test left it dead); never stops the server."""
+    if not server.healthy():
+        server.restart(300)
+    eng = make_engine(server)
+    yield eng
+    eng.shutdown(stop_servers=False)
