@@ -82,7 +82,7 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
 
     from megatron_dapo.actor import checkpoint as actor_ckpt
     from megatron_dapo.actor.dist import init_distributed, seed_everything
-    from megatron_dapo.actor.provider import build_model
+    from megatron_dapo.actor.provider import build_model, model_position_ids
     from megatron_dapo.bridge.convert import read_meta
     from megatron_dapo.config import ModelConfig, ParallelConfig
 
@@ -90,7 +90,8 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
     parallel = ParallelConfig(tp=tp, pp=pp)
     init_distributed(parallel)
     seed_everything(0)
-    chunks = build_model(arch, ModelConfig(dtype="fp32"), parallel)
+    model_cfg = ModelConfig(dtype="fp32")
+    chunks = build_model(arch, model_cfg, parallel)
     # Model-only load through the actor's checkpoint code (canonical keys, any TP/PP).
     actor_ckpt.load(SimpleNamespace(model=[SimpleNamespace(module=c) for c in chunks], arch=arch), ckpt, False)
     device = next(chunks[0].parameters()).device
@@ -100,7 +101,7 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
         n = len(ids)
         batch = {
             "tokens": torch.tensor([ids], device=device),
-            "position_ids": torch.arange(n, device=device)[None],
+            "position_ids": model_position_ids(torch.arange(n, device=device)[None], model_cfg),
             "attention_mask": torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), 1)[None, None],
         }
 
@@ -131,6 +132,13 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _worker_error(log: str, lines: int = 40) -> str:
+    """The first worker traceback in a torchrun log (torchrun's own summary comes last and names no cause)."""
+    rows = log.strip().splitlines()
+    start = next((i for i, r in enumerate(rows) if "Traceback (most recent call last)" in r), max(0, len(rows) - lines))
+    return "\n".join(rows[start : start + lines])
+
+
 def megatron_logits(ckpt: Path, tp: int, pp: int, prompts: list[list[int]], timeout_s: float = 1200) -> list:
     with tempfile.TemporaryDirectory(prefix="check_logits-") as tmp:
         prompts_path, out_path = Path(tmp, "prompts.pt"), Path(tmp, "logits.pt")
@@ -144,8 +152,7 @@ def megatron_logits(ckpt: Path, tp: int, pp: int, prompts: list[list[int]], time
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.is_file():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
-            raise RuntimeError(f"megatron run failed (exit {proc.returncode}):\n{tail}")
+            raise RuntimeError(f"megatron run failed (exit {proc.returncode}):\n{_worker_error(proc.stdout + proc.stderr)}")
         return torch.load(out_path)
 
 

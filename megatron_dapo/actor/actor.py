@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.logprobs import token_logprobs
-from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, use_transformer_engine
+from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
 from megatron_dapo.algo.loss import (
     LOSS_METRIC_REDUCTIONS,
     combine_loss_metrics,
@@ -327,8 +327,7 @@ class MegatronActor:
         mb = {
             "num_tokens": b.total_tokens,
             "tokens": b.tokens.to(self.device),
-            # three identical rows: megatron's mrope is then plain RoPE at these explicit positions (provider.py)
-            "position_ids": pos.expand(3, *pos.shape).to(self.device),
+            "position_ids": model_position_ids(pos, self.cfg.model).to(self.device),
             "attention_mask": b.attention_mask.to(self.device),
         }
         mb.update({"sel_" + k: v.to(self.device) for k, v in sel.items()})

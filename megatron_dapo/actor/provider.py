@@ -160,6 +160,12 @@ def position_embedding_type(model_cfg: ModelConfig) -> str:
     return "rope" if use_transformer_engine(model_cfg) else "mrope"
 
 
+def model_position_ids(pos: torch.Tensor, model_cfg: ModelConfig) -> torch.Tensor:
+    """[b, s] positions in the shape the model's position embedding reads: as is for "rope", three identical rows
+    ([3, b, s]) for "mrope" (position_embedding_type above)."""
+    return pos if position_embedding_type(model_cfg) == "rope" else pos.expand(3, *pos.shape)
+
+
 def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> list[torch.nn.Module]:
     """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized."""
     from megatron.core import parallel_state
