@@ -3,9 +3,10 @@
     .venv/bin/python bench/ablation.py [--seeds 3] [--sample-budget 51200] [--minutes 3.0] [--jobs 2]   # make ablation
 
 Task: ``recipes/chain_cpu.yaml`` (sums of 2–7 digits written out as running sums, ``data/chain.py``: variable-length
-reasoning, long solutions past the 24-token limit, easy problems that saturate, a peaked warm-started policy). Per
-seed one supervised warm start (to ``supervised_stop_acc``), saved and shared by every rung of that seed; then each rung
-trains from it with the SAME budget: ``--sample-budget`` generated samples, and at most ``--minutes`` of RL.
+reasoning, long solutions past the 24-token limit, easy problems that saturate, a peaked warm-started policy). One
+supervised warm start (to ``supervised_stop_acc``), saved and shared by every rung and seed (the seeds vary the RL:
+sampling, prompt order; the spread over seeds is RL's, not the warm start's); then each rung trains from it with the
+SAME budget: ``--sample-budget`` generated samples, and at most ``--minutes`` of RL.
 
 Rungs (cumulative, as in the paper): naive GRPO (clip 0.2/0.2, sequence-mean loss, no shaping, no filtering) →
 + overlong filtering → + clip-higher (0.28) → + soft overlong punishment (instead of filtering, as DAPO's recipe) →
@@ -46,8 +47,8 @@ RUNGS = [  # (name, overrides on top of chain_cpu)
 EVAL_KEY = "eval/synthetic/chain/avg@4"
 
 
-def dapo(args: list[str], log: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+def dapo(args: list[str], log: Path, threads: int = 1) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "train", "--recipe", "chain_cpu", *args],
                             cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode  # fmt: skip
@@ -73,11 +74,9 @@ def main() -> None:
     t0 = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=args.jobs)
 
-    def warm(seed: int) -> None:
-        dapo([f"train.seed={seed}", "train.steps=0", f"train.run_dir={work}", f"train.name=warm-{seed}"],
-             work / f"warm-{seed}.log")  # fmt: skip
-
-    list(pool.map(warm, seeds))
+    # one warm start for every rung and seed: a zero-step run saves it (step_000000) after its supervised warm-up
+    dapo([f"train.seed={seeds[0]}", "train.steps=0", f"train.run_dir={work}", "train.name=warm"], work / "warm.log",
+         threads=args.jobs)  # fmt: skip
     print(f"warm starts done in {time.monotonic() - t0:.0f} s", flush=True)
     budget = [f"train.sample_budget={args.sample_budget}", f"train.time_budget_s={args.minutes * 60:g}",
               "train.steps=100000", "train.supervised_warmup_steps=0"]  # fmt: skip
@@ -85,13 +84,13 @@ def main() -> None:
     def rung(job: tuple[int, int]) -> None:
         k, seed = job
         name, overrides = RUNGS[k]
-        ckpt = work / f"warm-{seed}" / "checkpoints" / "step_000000"
+        ckpt = work / "warm" / "checkpoints" / "step_000000"
         dapo([f"train.seed={seed}", f"model.load={ckpt}", *budget, *overrides, f"train.run_dir={work}",
               f"train.name=rung{k}-{seed}"], work / f"rung{k}-{seed}.log")  # fmt: skip
         print(f"{name}, seed {seed}: done at {time.monotonic() - t0:.0f} s", flush=True)
 
     def supervised(seed: int) -> None:
-        ckpt = work / f"warm-{seed}" / "checkpoints" / "step_000000"
+        ckpt = work / "warm" / "checkpoints" / "step_000000"
         dapo([f"train.seed={seed}", f"model.load={ckpt}", "train.steps=0", "train.supervised_warmup_steps=1000000",
               "train.supervised_stop_acc=2.0", f"train.time_budget_s={args.minutes * 60:g}", f"train.run_dir={work}",
               f"train.name=sft-{seed}"], work / f"sft-{seed}.log")  # fmt: skip
@@ -109,7 +108,7 @@ def summarize(work: Path, seeds: list[int]) -> dict:
         finals, tail, curves = [], [], []
         for seed in seeds:
             r = rows(work / f"rung{k}-{seed}")
-            start = rows(work / f"warm-{seed}")[0]
+            start = rows(work / "warm")[0]
             evals = [(x.get("train/samples_generated_total", 0), x[EVAL_KEY]) for x in r if EVAL_KEY in x]
             curves.append([(0, start[EVAL_KEY]), *evals])
             finals.append(evals[-1][1])
@@ -124,7 +123,7 @@ def summarize(work: Path, seeds: list[int]) -> dict:
             })  # fmt: skip
         out[name] = {"final": finals, "tail": tail, "curves": curves}
     sft = [rows(work / f"sft-{s}")[-1].get(EVAL_KEY) for s in seeds]
-    start = [rows(work / f"warm-{s}")[0][EVAL_KEY] for s in seeds]
+    start = [rows(work / "warm")[0][EVAL_KEY]]
     return {"rungs": out, "sft": sft, "start": start}
 
 

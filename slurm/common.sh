@@ -64,7 +64,9 @@ trap _dapo_on_usr1 USR1
 # requeues the job.
 dapo_launch() {
     local pid rc again
-    "$PYTHON" -m megatron_dapo.launch.slurm "$@" &
+    # DAPO_STOP_BEFORE (seconds, below the --signal margin): the driver also stops the trainer by the job's end time
+    # (scontrol), should the signal not come: Slurm sends it once per allocation at best, from a periodic check
+    "$PYTHON" -m megatron_dapo.launch.slurm ${DAPO_STOP_BEFORE:+--stop-before "$DAPO_STOP_BEFORE"} "$@" &
     pid=$!
     while :; do
         rc=0

@@ -3,7 +3,9 @@
 Slurm sends SIGUSR1 before the time limit to the batch shell (``#SBATCH --signal=B:USR1@T``, our sbatch scripts;
 slurm/common.sh writes ``$DAPO_SIGNAL_FILE``). A driver that runs as a job step (nemo-run's) cannot get that signal
 alone (``srun --signal`` applies to allocations only, and ``--signal=USR1@T`` without ``B:`` also hits the servers,
-whose default action for it is to exit): it watches the job's end time instead (``--stop-before T``). The driver writes the trainer's stop file (``$DAPO_STOP_FILE``: in this allocation's log directory, so a later allocation
+whose default action for it is to exit): it watches the job's end time instead (``--stop-before T``). The sbatch
+scripts pass ``--stop-before`` too, below their signal margin (``$DAPO_STOP_BEFORE``), as a backstop: Slurm sends the
+signal from a periodic check, at most once per allocation, and a requeued allocation was seen to miss it. The driver writes the trainer's stop file (``$DAPO_STOP_FILE``: in this allocation's log directory, so a later allocation
 never sees it); rank 0 reads it after each step, every rank saves, the trainer exits 0. If the run is then not done,
 the driver exits ``EXIT_RESUMABLE`` (75): slurm/common.sh requeues the job, nemo-run's script requeues on any
 non-zero exit, and the next allocation continues from the checkpoint (``--resume auto``).

@@ -47,13 +47,15 @@ def _dequantize(gguf: Path, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm_hf(request) -> Path:
+def smollm_hf(request, tmp_path_factory) -> Path:
     gguf = _gguf_file()
     h = hashlib.sha256()
     with open(gguf, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    cache = Path(request.config.cache.mkdir("bridge-fixtures"))
+    # pytest's cache folder keeps the dequantized model between runs; without it (-p no:cacheprovider), this run's tmp
+    cache = Path(request.config.cache.mkdir("bridge-fixtures") if hasattr(request.config, "cache")
+                 else tmp_path_factory.mktemp("bridge-fixtures"))  # fmt: skip
     target = cache / f"smollm2-135m-hf-{h.hexdigest()[:16]}"
     if not (target / "config.json").is_file():
         tmp = cache / f".{target.name}.tmp-{os.getpid()}"

@@ -51,7 +51,7 @@ def wait_requeued_then_done(local_slurm, job: str, timeout: float) -> tuple[str,
 def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
     """A 2-minute job asking for SIGUSR1 90 s before its limit gets it within Slurm's 30 s check period; the stand-in
     trainer sees its stop file, 'saves' step 1 of 2; the job requeues itself; the next allocation gets the signal
-    again (same limit), saves step 2 and the job completes. The real trainer's part is tests/e2e/test_reliability."""
+    again (same limit) or, failing that, the driver's end-time backstop, saves step 2 and the job completes. The real trainer's part is tests/e2e/test_reliability."""
     run = tmp_path / "runs" / "probe"
     probe = f"{{python}} {HERE}/stop_probe.py --run-dir {run} --wait-s 150 --resume {{resume}}"
     job = submit(local_slurm, tmp_path, "--nodes=1", "--time=2", "--signal=B:USR1@90", "slurm/dapo_tiny_cpu.sbatch",
@@ -60,11 +60,13 @@ def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
     out = (tmp_path / "job.out").read_text()  # both allocations (--open-mode=append)
     assert (state, restarts) == ("COMPLETED", 1), out[-5000:]
     records = [json.loads(line) for line in (run / "probe.log").read_text().splitlines()]
-    assert [(r["restart"], r["stop"], r["argv"]) for r in records] == [
-        ("0", "SIGUSR1 to the batch script", ["--resume", "auto"]),
-        ("1", "SIGUSR1 to the batch script", ["--resume", "auto"]),
-    ], records
-    assert out.count("SIGUSR1 (time limit near): the trainer saves after its current step") == 2
+    # each allocation stops on Slurm's signal or, should Slurm not send it (observed once on a requeued allocation
+    # of this Slurm 22.05 under load), on the driver's own reading of the end time (DAPO_STOP_BEFORE=60 < 90)
+    assert [(r["restart"], r["argv"]) for r in records] == [("0", ["--resume", "auto"]), ("1", ["--resume", "auto"])]
+    reasons = [r["stop"] for r in records]
+    assert all(x == "SIGUSR1 to the batch script" or x.startswith("the time limit is ") for x in reasons), records
+    signalled = out.count("SIGUSR1 (time limit near): the trainer saves after its current step")
+    assert signalled == reasons.count("SIGUSR1 to the batch script") >= 1, (reasons, out[-3000:])
     assert "stopped early: step 1 of 2 is saved" in out and "exit code 75 (resumable)" in out
     assert f"== requeue: job {job} stopped before its time limit after saving" in out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
