@@ -314,6 +314,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                STOP_FILE_ENV: stop_file, **ports.env()}  # fmt: skip
     if urls:  # rank-exec derives DAPO_LOCAL_SERVER_URL (colocated: the server on the rank's own node) from these
         run_env.update(DAPO_SERVER_URLS=json.dumps(urls, separators=(",", ":")), DAPO_PLACEMENT=placement)
+        if servers:  # named in the trainer's errors about a server (engine restart limit)
+            run_env["DAPO_SERVER_LOGS"] = json.dumps({s.url: s.log for s in servers}, separators=(",", ":"))
     if c.nccl_socket_ifname:
         run_env["NCCL_SOCKET_IFNAME"] = run_env["GLOO_SOCKET_IFNAME"] = c.nccl_socket_ifname
     if c.ib_hca:

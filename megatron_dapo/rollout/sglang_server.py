@@ -21,10 +21,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,20 +167,26 @@ class SGLangServer:
             port = free_port(host)
         self.port = port
         self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
-        self.log_path = (
-            Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        default_log = None if self.attached else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        self.log_path = Path(log_path) if log_path else default_log  # attached: the launcher's log, if it said
+        self.args_file = (  # the key: mode 0600, while the server runs
+            self.log_path.with_name(self.log_path.stem + ".args.yaml") if self.log_path else Path(os.devnull)
         )
-        self.args_file = self.log_path.with_name(self.log_path.stem + ".args.yaml")  # the key: mode 0600, while up
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     @classmethod
-    def attach(cls, url: str, tp_size: int = 1, device: str = "cuda") -> SGLangServer:
-        return cls(url=url, tp_size=tp_size, device=device)
+    def attach(cls, url: str, tp_size: int = 1, device: str = "cuda", log_path: str | None = None) -> SGLangServer:
+        return cls(url=url, tp_size=tp_size, device=device, log_path=log_path)
 
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def node(self) -> str:
+        """The host it runs on: this one for a started server, the URL's host for an attached one."""
+        return urllib.parse.urlsplit(self._url).hostname if self.attached else socket.gethostname()
 
     def __repr__(self) -> str:
         return f"SGLangServer({self.url}{', attached' if self.attached else ''})"
@@ -276,6 +284,8 @@ class SGLangServer:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return "(attached: no log here)"
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)

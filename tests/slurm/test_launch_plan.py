@@ -122,6 +122,8 @@ def test_colocated_plan_16_nodes():
     cfg = load_config(R32, ["parallel.pp=2", url_arg[0]])
     assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:10008" for n in plan.nodes]
     assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "10000"  # dry run: block 0
+    # the trainer's errors about a server (restart limit) name the launcher's log of that server
+    assert json.loads(plan.env["DAPO_SERVER_LOGS"]) == {s.url: s.log for s in plan.servers}
 
 
 def test_disaggregated_plan():
