@@ -338,11 +338,13 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
 # Execution: start, wait for health, supervise, tear down
 
 
-def http_ok(url: str, timeout: float = 30.0) -> bool:
-    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy)."""
+def http_ok(url: str, timeout: float = 30.0, key: str = "") -> bool:
+    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy);
+    with the job's ``key`` as every client call (SGLang leaves /health open, other servers may not)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster proxies must not see node URLs
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with opener.open(url, timeout=timeout) as resp:
+        with opener.open(req, timeout=timeout) as resp:
             return resp.status == 200
     except (OSError, ValueError):
         return False
@@ -423,7 +425,7 @@ class Supervisor:
                     progress(waiting, len(self.plan.servers), time.monotonic() - start, self.plan.health_timeout_s)
                 )
             for url in sorted(pending):
-                if http_ok(url + "/health"):
+                if http_ok(url + "/health", key=self.api_key):
                     pending.discard(url)
                     self.say(f"server {url} is healthy")
             if pending and time.monotonic() > deadline:
