@@ -355,8 +355,8 @@ class SGLangEngine:
             if limit is not None and self.step_restarts >= limit:
                 where = f"log {s.log_path}" if s.log_path else "attached: its log is where it was started"
                 raise ServerRestartLimit(
-                    f"rollout server {s.url} on node {s.node} died again after {self.step_restarts} restarts this "
-                    f"step (rollout.max_restarts_per_step = {limit}); {where}"
+                    f"rollout server {s.url} on node {s.node} died with {self.step_restarts} restarts spent this step "
+                    f"(rollout.max_restarts_per_step = {limit}): stopping; {where}"
                 )
             self.step_restarts += 1
             self.metrics["restarts"] += 1
