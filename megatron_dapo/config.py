@@ -121,6 +121,9 @@ class RolloutConfig:
     colocate: bool = True
     server_timeout_s: float = 600.0
     max_concurrency: int = 512
+    # a server that dies mid-rollout is restarted, resynced and its requests re-issued; more deaths than this in one
+    # step stop the run with an error naming the server's node and log
+    max_restarts_per_step: int = 3
 
 
 @dataclass
@@ -598,6 +601,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
     if r.hf_max_batch < 1:
         fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
+    if r.max_restarts_per_step < 0:
+        fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
     if not 0 < r.mem_fraction < 1:
         fail("rollout.mem_fraction", r.mem_fraction, "must be in (0, 1)")
     if r.engine == "hf" and r.weight_sync != "copy":

@@ -65,10 +65,13 @@ def on_driver(fn, *args):
 
 
 class RolloutDriver:
-    """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export."""
+    """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export.
+
+    A server that dies mid-rollout is restarted by the engine, which then calls ``resync``: the current weights go to
+    the restarted servers only, through the run's transport, verified, before its requests are re-issued."""
 
     def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
-        self.cfg, self.arch = cfg, arch
+        self.cfg, self.arch, self.actor = cfg, arch, actor
         self.engine = self.sync = None
         model_path = cfg.model.hf_init
         if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
@@ -81,6 +84,8 @@ class RolloutDriver:
 
             self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
             self.sync = make_weight_sync(cfg, self.engine)
+            if hasattr(self.engine, "resync"):
+                self.engine.resync = self.resync
 
     def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
         from megatron_dapo.bridge.export import export_hf_tensors
@@ -90,6 +95,24 @@ class RolloutDriver:
             for _ in buckets:  # take part in the gathers
                 pass
         return on_driver(lambda: self.sync.sync(buckets, version).metrics())
+
+    def resync(self, servers: list) -> None:
+        """Rank 0, mid-rollout: send the weights of the engine's current version (the actor's: it trains only after
+        the rollout) to ``servers``, just restarted. The export runs on rank 0 alone: the other ranks wait for it in
+        a broadcast, so it works where rank 0 holds the whole model (TP = PP = 1, or one process)."""
+        from megatron_dapo.bridge.export import export_hf_tensors
+        from megatron_dapo.rollout.engine import RolloutError
+
+        p = self.cfg.parallel
+        if dist.is_initialized() and dist.get_world_size() > 1 and p.tp * p.pp > 1:
+            raise RolloutError(
+                f"{[s.url for s in servers]} restarted, but resyncing them mid-rollout needs the export of every "
+                f"model-parallel rank (parallel.tp x parallel.pp = {p.tp * p.pp}), which wait for rank 0: stopping"
+            )
+        buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
+        report = self.sync.sync(buckets, self.engine.weight_version, workers=list(servers))
+        print(f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
+              f"({report.tensors} tensors, {report.seconds:.1f} s, {report.verified} verified)", flush=True)  # fmt: skip
 
     def close(self) -> None:
         """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
@@ -210,6 +233,8 @@ class Trainer:
         """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
         cfg, sampler = self.cfg, self.sampler
         engine = self.rollout.engine
+        if hasattr(engine, "new_step"):  # the restart budget is per step
+            engine.new_step()
         batch_index, generated = 0, []
         while not sampler.full:
             items = self.prompts.take(cfg.algo.gen_batch_prompts)
@@ -231,6 +256,8 @@ class Trainer:
         stats["kept_groups"] = stats.pop("kept")
         stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
         stats["samples_generated"] = len(generated)
+        if hasattr(engine, "step_restarts"):
+            stats["server_restarts"] = engine.step_restarts
         return batch, stats
 
     def evaluate(self, step: int) -> dict[str, float]:

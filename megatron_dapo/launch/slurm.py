@@ -13,6 +13,11 @@ All steps are supervised: if any server exits (at all) or the trainer fails, the
 driver exits non-zero naming the node, the step and its log file. Placements: ``colocated`` (every node trains and
 serves; servers use ``--enable-memory-saver``) and ``disaggregated`` (the last ``cluster.rollout_nodes`` nodes serve,
 the others train; weights go over NCCL). With ``rollout.engine: hf`` (CPU) there are no servers.
+
+Servers listen on their node's address (the one the ranks use), not on all interfaces, and require the job's API key
+(``rollout/sglang_auth.py``): the supervisor makes one per job when it starts (or takes $DAPO_SGLANG_API_KEY), writes
+it to ``<log dir>/sglang-args.yaml`` (mode 0600, SGLang's ``--config``; removed at the end) and gives it to the trainer
+step only, in its environment. The plan, its dry run and every command line name the file, never the key.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this modul
 )
 from megatron_dapo.launch.stop import StopRelay, allocation_name, requeue
 from megatron_dapo.ports import JobPorts, find_collisions
+from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, new_api_key, write_args_file
 from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -101,6 +107,7 @@ class LaunchPlan:
     steps: int = 0  # train.steps
     stop_file: str = ""  # $DAPO_STOP_FILE of this allocation (launch/stop.py)
     port_base: int = 0  # the job's port block (ports.py)
+    server_args_file: str = ""  # the servers' --config file (the API key, mode 0600), written when the job starts
 
     def roles(self) -> dict[str, list[str]]:
         return {n: (["train"] if n in self.train_nodes else []) + (["rollout"] if n in self.rollout_nodes else [])
@@ -169,8 +176,11 @@ def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
     return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
 
 
-def sglang_server_command(cfg: DapoConfig, python: str, port: int, colocated: bool) -> list[str]:
-    """One node's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``).
+def sglang_server_command(
+    cfg: DapoConfig, python: str, port: int, colocated: bool, host: str, args_file: str
+) -> list[str]:
+    """One node's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``) behind the wrapper
+    that redacts the API key from its output, listening on ``host``, the key in ``args_file`` (``--config``).
 
     No ``--dp-size``: SGLang's weight-update endpoints assert dp_size == 1, so a data-parallel server could never be
     synced; the server uses ``rollout.sglang_tp`` GPUs of its node (one engine per TP group: issue 14)."""
@@ -179,7 +189,8 @@ def sglang_server_command(cfg: DapoConfig, python: str, port: int, colocated: bo
     r = cfg.rollout
     if not cfg.model.hf_init:
         raise ConfigError("model.hf_init = None: SGLang servers (rollout.engine = 'sglang') need an HF checkpoint dir")
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model.hf_init, "--host", "0.0.0.0"]
+    cmd = [python, "-m", "megatron_dapo.rollout.sglang_auth", python, "-m", "sglang.launch_server"]
+    cmd += ["--model-path", cfg.model.hf_init, "--host", host, "--config", args_file]
     cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--mem-fraction-static", str(r.mem_fraction)]
     cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
     if colocated:
@@ -262,15 +273,17 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         return cmd
 
     servers, seen_addr, port_uses = [], {}, {"rendezvous": (master_addr, master_port)}
+    args_file = f"{log_dir}/sglang-args.yaml" if rollout_nodes else ""
     for i, node in enumerate(rollout_nodes):
         k = seen_addr[addr[node]] = seen_addr.get(addr[node], -1) + 1  # the k-th server on its host (address)
         sp = ports.server(k)
         port = c.server_port + k if c.server_port else sp.http
         port_uses.update({f"server {node} (HTTP)": (addr[node], port), f"server {node}": (addr[node], sp.all()[1:])})
         if opts.server_cmd:
-            command = _fill(opts.server_cmd, python=py, node=node, port=port, index=i, log_dir=log_dir)
+            command = _fill(opts.server_cmd, python=py, node=node, port=port, index=i, log_dir=log_dir,
+                            args_file=args_file)  # fmt: skip
         else:
-            command = sglang_server_command(cfg, py, port, placement == "colocated")
+            command = sglang_server_command(cfg, py, port, placement == "colocated", addr[node], args_file)
             command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         name, log = f"dapo-server-{node}", f"{log_dir}/server-{node}.log"
         export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in sglang_server_env(cfg).items())])
@@ -301,6 +314,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                STOP_FILE_ENV: stop_file, **ports.env()}  # fmt: skip
     if urls:  # rank-exec derives DAPO_LOCAL_SERVER_URL (colocated: the server on the rank's own node) from these
         run_env.update(DAPO_SERVER_URLS=json.dumps(urls, separators=(",", ":")), DAPO_PLACEMENT=placement)
+        if servers:  # named in the trainer's errors about a server (engine restart limit)
+            run_env["DAPO_SERVER_LOGS"] = json.dumps({s.url: s.log for s in servers}, separators=(",", ":"))
     if c.nccl_socket_ifname:
         run_env["NCCL_SOCKET_IFNAME"] = run_env["GLOO_SOCKET_IFNAME"] = c.nccl_socket_ifname
     if c.ib_hca:
@@ -315,7 +330,7 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         master_port=master_port, env=run_env, log_dir=log_dir,
         health_timeout_s=opts.health_timeout_s or health_timeout_s(cfg, len(servers) * gpus // r.sglang_tp),
         trainer=trainer, servers=servers, run_dir=str(Path(cfg.train.run_dir) / cfg.train.name),
-        steps=cfg.train.steps, stop_file=stop_file, port_base=ports.base,
+        steps=cfg.train.steps, stop_file=stop_file, port_base=ports.base, server_args_file=args_file,
     )  # fmt: skip
 
 
@@ -323,11 +338,13 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
 # Execution: start, wait for health, supervise, tear down
 
 
-def http_ok(url: str, timeout: float = 30.0) -> bool:
-    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy)."""
+def http_ok(url: str, timeout: float = 30.0, key: str = "") -> bool:
+    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy);
+    with the job's ``key`` as every client call (SGLang leaves /health open, other servers may not)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster proxies must not see node URLs
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with opener.open(url, timeout=timeout) as resp:
+        with opener.open(req, timeout=timeout) as resp:
             return resp.status == 200
     except (OSError, ValueError):
         return False
@@ -354,15 +371,19 @@ class Supervisor:
         self.out = out or sys.stderr
         self.procs: list[tuple[Step, subprocess.Popen, str]] = []
         self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg), stop_before_s)
+        self.api_key = ""  # the job's server key (run() makes it): in the trainer's environment only
 
     def say(self, msg: str) -> None:
         print(f"[dapo launch {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
 
     def start(self, step: Step) -> None:
         srun_log = f"{self.plan.log_dir}/{step.name}.srun.log"
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.plan.env
+        if step.role == "trainer" and self.api_key:
+            env[API_KEY_ENV] = self.api_key  # servers read theirs from the args file
         with open(srun_log, "w") as f:
             proc = subprocess.Popen(step.srun, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **self.plan.env}, start_new_session=True)  # fmt: skip
+                                    env=env, start_new_session=True)  # fmt: skip
         self.procs.append((step, proc, srun_log))
         self.say(f"started {step.name} on {','.join(step.nodes)} (pid {proc.pid}); log {step.log}")
 
@@ -404,7 +425,7 @@ class Supervisor:
                     progress(waiting, len(self.plan.servers), time.monotonic() - start, self.plan.health_timeout_s)
                 )
             for url in sorted(pending):
-                if http_ok(url + "/health"):
+                if http_ok(url + "/health", key=self.api_key):
                     pending.discard(url)
                     self.say(f"server {url} is healthy")
             if pending and time.monotonic() > deadline:
@@ -454,6 +475,9 @@ class Supervisor:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         old[signal.SIGUSR1] = self.stop.install()
         try:
+            if self.plan.servers:
+                self.api_key = os.environ.get(API_KEY_ENV) or new_api_key()
+                write_args_file(self.plan.server_args_file, self.api_key)
             for step in self.plan.servers:
                 self.start(step)
             if self.plan.servers:
@@ -472,6 +496,8 @@ class Supervisor:
             return 143
         finally:
             self.teardown()
+            if self.plan.server_args_file:
+                Path(self.plan.server_args_file).unlink(missing_ok=True)
             for s, handler in old.items():
                 signal.signal(s, handler)
 
@@ -502,7 +528,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)")  # fmt: skip
     ap.add_argument("--nemo", action="store_true", help="submit through nemo-run instead (see launch/nemo.py)")
     test = ap.add_argument_group("testing and debugging (replace the real programs)")
-    test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {log_dir}")
+    test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {log_dir} "
+                      "{args_file}")  # fmt: skip
     test.add_argument(
         "--trainer-cmd", help="template for the per-rank trainer command: {python} {server_urls} {log_dir} {resume}"
     )

@@ -14,7 +14,9 @@
   else round-robin over the workers; weight-sync, memory and abort calls always go to the workers (the router
   answers 404 for weight sync). A request that fails because a server died is re-issued after the engine, in the
   caller's thread, restarted the dead server (or waited for an attached one) and called ``resync(dead_servers)``
-  to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests.
+  to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests. More than
+  ``max_restarts_per_step`` restarts between two ``new_step()`` calls raise ``ServerRestartLimit`` naming the
+  server's node, URL and log file.
 * ``PLATFORMS`` (``sglang_server.py``): what differs between SGLang on GPUs and on a CPU, as values (server flags
   and environment, where the tensor transport's tensors live, the distributed transport's backend). Nothing else
   branches on the device.
@@ -23,7 +25,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,6 +42,10 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The engine
+
+
+class ServerRestartLimit(RolloutError):
+    """A server died more often in one step than ``rollout.max_restarts_per_step`` allows."""
 
 
 @dataclass
@@ -63,6 +71,7 @@ class SGLangEngine:
         server_timeout: float = 600.0,
         max_retries: int = 3,
         resync: Callable[[list[SGLangServer]], None] | None = None,
+        max_restarts_per_step: int | None = None,
         start: bool = True,
     ):
         if not servers:
@@ -76,6 +85,8 @@ class SGLangEngine:
         self.dtype = DTYPE_NAMES.get(dtype, dtype)
         self.request_timeout, self.server_timeout, self.max_retries = request_timeout, server_timeout, max_retries
         self.resync = resync
+        self.max_restarts_per_step = max_restarts_per_step  # None: no limit
+        self.step_restarts = 0
         self.metrics = {"requests": 0, "reissued": 0, "restarts": 0, "aborted": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-req")
         self._lock = threading.Lock()
@@ -91,7 +102,11 @@ class SGLangEngine:
         """Attach to ``rollout.server_urls`` or start one local server with the rollout section's settings."""
         r = cfg.rollout
         if r.server_urls:
-            servers = [SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device) for u in r.server_urls]
+            logs = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}")  # dapo launch: each server's log file
+            servers = [
+                SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u))
+                for u in r.server_urls
+            ]
         else:
             log_path = Path(log_dir) / "sglang_server.log" if log_dir else None
             servers = [
@@ -114,6 +129,7 @@ class SGLangEngine:
             dtype=r.dtype or cfg.model.dtype,
             max_concurrency=r.max_concurrency,
             server_timeout=r.server_timeout_s,
+            max_restarts_per_step=r.max_restarts_per_step,
         )
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -153,6 +169,10 @@ class SGLangEngine:
 
     def set_weight_version(self, version: int) -> None:
         self._version = int(version)
+
+    def new_step(self) -> None:
+        """A new training step: the restart budget (``max_restarts_per_step``) starts again."""
+        self.step_restarts = 0
 
     def call_workers(
         self, path: str, body: dict | None, servers: Sequence[SGLangServer] | None = None, timeout: float | None = None
@@ -331,6 +351,14 @@ class SGLangEngine:
                 f"{self._version} and no resync callback was given: refusing to sample from stale weights"
             )
         for s in dead:
+            limit = self.max_restarts_per_step
+            if limit is not None and self.step_restarts >= limit:
+                where = f"log {s.log_path}" if s.log_path else "attached: its log is where it was started"
+                raise ServerRestartLimit(
+                    f"rollout server {s.url} on node {s.node} died with {self.step_restarts} restarts spent this step "
+                    f"(rollout.max_restarts_per_step = {limit}): stopping; {where}"
+                )
+            self.step_restarts += 1
             self.metrics["restarts"] += 1
             log.warning("%s is down; %s", s, "waiting for it" if s.attached else "restarting it")
             if s.attached:

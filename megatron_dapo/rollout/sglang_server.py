@@ -5,6 +5,10 @@ and ``PLATFORMS``, what differs between SGLang on GPUs and on a CPU, as values.
     server = SGLangServer(hf_dir, device="cpu", pythonpath=[stand_ins], mem_fraction=0.05)             # CPU
     server.start(); server.wait_healthy(600); ...; server.stop()      # stops only the process group it started
 
+Servers listen on ``host`` (127.0.0.1 by default) and require the job's API key (``sglang_auth.py``): it reaches them
+in a mode-0600 ``--config`` file next to the log (removed when the server stops), never on the command line, and the
+server's output is copied to the log with the key redacted. ``http_call`` sends it as ``Authorization: Bearer``.
+
 Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` so ``output_token_logprobs`` are the log-softmax of
 the temperature-scaled logits, the convention of ``engine.py`` (sglang 0.5.23 srt/layers/sampler.py:275). sglang itself is imported by nothing here.
 """
@@ -17,16 +21,19 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.rollout.engine import RolloutError
+from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, api_key, write_args_file
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +93,17 @@ class ServerRequestError(RolloutError):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route local servers via a proxy
 
 
-def http_call(url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None):
-    """One JSON request; returns the parsed JSON answer (or text, or None when empty)."""
+def http_call(
+    url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None,
+    key: str | None = None,
+):  # fmt: skip
+    """One JSON request carrying the job's API key (``key``: another one; "" none); returns the parsed JSON answer (or
+    text, or None when empty)."""
     data = json.dumps(body).encode() if body is not None else None
     method = method or ("POST" if data is not None else "GET")
-    req = urllib.request.Request(
-        url.rstrip("/") + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    key = api_key() if key is None else key
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -156,31 +167,40 @@ class SGLangServer:
             port = free_port(host)
         self.port = port
         self._url = url.rstrip("/") if url else f"http://{host}:{self.port}"
-        self.log_path = (
-            Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        default_log = None if self.attached else Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang_{self.port}.log"
+        self.log_path = Path(log_path) if log_path else default_log  # attached: the launcher's log, if it said
+        self.args_file = (  # the key: mode 0600, while the server runs
+            self.log_path.with_name(self.log_path.stem + ".args.yaml") if self.log_path else Path(os.devnull)
         )
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     @classmethod
-    def attach(cls, url: str, tp_size: int = 1, device: str = "cuda") -> SGLangServer:
-        return cls(url=url, tp_size=tp_size, device=device)
+    def attach(cls, url: str, tp_size: int = 1, device: str = "cuda", log_path: str | None = None) -> SGLangServer:
+        return cls(url=url, tp_size=tp_size, device=device, log_path=log_path)
 
     @property
     def url(self) -> str:
         return self._url
 
+    @property
+    def node(self) -> str:
+        """The host it runs on: this one for a started server, the URL's host for an attached one."""
+        return urllib.parse.urlsplit(self._url).hostname if self.attached else socket.gethostname()
+
     def __repr__(self) -> str:
         return f"SGLangServer({self.url}{', attached' if self.attached else ''})"
 
     def argv(self) -> list[str]:
-        args = [*self.launcher, "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
+        """The command line: the launcher behind the redacting wrapper; the key is in ``--config``, not here."""
+        args = [sys.executable, "-m", "megatron_dapo.rollout.sglang_auth", *self.launcher]
+        args += ["--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
         args += ["--tp-size", str(self.tp_size), "--mem-fraction-static", str(self.mem_fraction)]
         if self.dtype:
             args += ["--dtype", self.dtype]
         if self.memory_saver:
             args.append("--enable-memory-saver")
-        return args + list(self.platform.server_args) + self.extra_args
+        return args + list(self.platform.server_args) + self.extra_args + ["--config", str(self.args_file)]
 
     def start(self) -> None:
         if self.attached:
@@ -188,6 +208,8 @@ class SGLangServer:
         if self.proc is not None and self.proc.poll() is None:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        write_args_file(self.args_file, api_key())
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # the server reads its key from the file
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n==== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
             logf.flush()
@@ -196,7 +218,7 @@ class SGLangServer:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
+                env={**env, **self.env},
                 start_new_session=True,  # own process group: stop() signals it and nothing else
             )
         self.starts += 1
@@ -231,21 +253,27 @@ class SGLangServer:
             time.sleep(0.25)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Terminate the process group this object started (SIGTERM, then SIGKILL); attached servers are left alone."""
+        """Terminate the process group this object started (SIGTERM, then SIGKILL) and wait until all of it is gone
+        (also when its leader died alone: the port is free for a restart); attached servers are left alone."""
         proc, self.proc = self.proc, None
         _STARTED.discard(self)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        self.args_file.unlink(missing_ok=True)
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(proc.pid, sig)  # pgid == pid (start_new_session)
             except ProcessLookupError:
-                return
-            try:
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                proc.poll()  # reap the leader
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)
+        proc.poll()
 
     def restart(self, timeout: float) -> None:
         self.stop()
@@ -256,6 +284,8 @@ class SGLangServer:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return "(attached: no log here)"
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)

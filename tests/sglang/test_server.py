@@ -144,6 +144,30 @@ def test_server_death_restart_resync_and_reissue(server, tmp_path):
         engine.shutdown(stop_servers=False)
 
 
+def test_deaths_beyond_the_step_limit_stop_naming_node_and_log(server, tmp_path):
+    """rollout.max_restarts_per_step = 0: the first death stops the step with one line naming node, URL and log."""
+    import socket
+
+    from megatron_dapo.rollout.sglang_engine import ServerRestartLimit
+
+    engine = make_engine(server, resync=lambda dead: None, max_restarts_per_step=0, max_retries=1)
+    try:
+        engine.new_step()
+        pid, starts = server.pid(), server.starts
+        threading.Timer(0.5, os.killpg, (pid, signal.SIGKILL)).start()
+        with pytest.raises(ServerRestartLimit) as err:
+            engine.generate([[1, 2 + i] for i in range(4)], SamplingParams(max_new_tokens=LONG), n=2)
+        msg = str(err.value)
+        assert f"rollout server {server.url} on node {socket.gethostname()}" in msg and str(server.log_path) in msg
+        assert "rollout.max_restarts_per_step = 0" in msg and server.starts == starts, "no restart beyond the limit"
+        engine.max_restarts_per_step = 1
+        engine.new_step()  # a new step, a new budget: restarts are allowed again (the next test's server is up)
+        out = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert len(out) == 1 and engine.step_restarts == 1 and server.starts == starts + 1
+    finally:
+        engine.shutdown(stop_servers=False)
+
+
 def test_wait_timeout_and_early_exit_carry_the_log(model_dir, tmp_path):
     slow = cpu_server(model_dir, tmp_path / "slow.log")
     slow.start()

@@ -6,6 +6,7 @@ the HTTP status of every rollout server's /health. ``--allreduce`` runs a real g
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -40,12 +41,20 @@ def main() -> int:
     ap.add_argument("--allreduce", action="store_true")
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--code", type=int, default=3)
+    ap.add_argument("--log-dir", help="look for the job's API key in every file here (it must be in none)")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     rec = {k: os.environ.get(k) for k in KEYS}
     rec["node"] = os.environ.get("SLURMD_NODENAME")
     rec["cwd"] = os.getcwd()  # where `python -m megatron_dapo...` of the step imports the package from
     rec["servers"] = {u: health(u) for u in json.loads(args.server_urls)}
+    key = os.environ.get("DAPO_SGLANG_API_KEY", "")  # the job's server key: recorded as a hash, never printed
+    rec["api_key_sha256"] = hashlib.sha256(key.encode()).hexdigest() if key else None
+    if args.log_dir:
+        files = [p for p in Path(args.log_dir).rglob("*") if p.is_file()]
+        rec["key_in"] = [p.name for p in files if key and key.encode() in p.read_bytes()]
+        args_file = Path(args.log_dir, "sglang-args.yaml")
+        rec["args_file_mode"] = oct(args_file.stat().st_mode & 0o777) if args_file.exists() else None
     if args.allreduce:
         import torch
         import torch.distributed as dist

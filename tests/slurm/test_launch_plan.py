@@ -108,6 +108,10 @@ def test_colocated_plan_16_nodes():
         assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s.srun  # tempered logprobs, the engine convention
         assert "--enable-deterministic-inference" in cmd  # else SGLang ignores sampling_seed
         assert "--port 10008" in cmd and "--nccl-port 10009" in cmd and "--mem-fraction-static 0.6" in cmd
+        # locked down: the node's address (dry run: its name), the key in a file, the output redacted by the wrapper
+        assert f"--host {s.nodes[0]} " in cmd and "0.0.0.0" not in cmd and "api-key" not in cmd
+        assert f"--config {plan.server_args_file}" in cmd and plan.server_args_file.endswith("/sglang-args.yaml")
+        assert s.command[1:4] == ["-m", "megatron_dapo.rollout.sglang_auth", s.command[0]]
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
     t = plan.trainer.srun
     assert "--nodes=16" in t and "--ntasks=128" in t and "--ntasks-per-node=8" in t and "--gpus-per-node=8" in t
@@ -118,6 +122,8 @@ def test_colocated_plan_16_nodes():
     cfg = load_config(R32, ["parallel.pp=2", url_arg[0]])
     assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:10008" for n in plan.nodes]
     assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "10000"  # dry run: block 0
+    # the trainer's errors about a server (restart limit) name the launcher's log of that server
+    assert json.loads(plan.env["DAPO_SERVER_LOGS"]) == {s.url: s.log for s in plan.servers}
 
 
 def test_disaggregated_plan():
@@ -233,6 +239,17 @@ def test_dry_run_cli_outside_slurm():
     assert out.returncode == 2 and "parallel.tpp" in out.stderr
 
 
+@pytest.mark.timeout(120)
+def test_dry_run_never_shows_the_api_key():
+    key = "dry-run-key-must-not-show-4f1c"
+    env = {**NO_SLURM_ENV, "DAPO_SGLANG_API_KEY": key}
+    for extra in ([], ["--json"]):
+        cmd = [sys.executable, "-m", "megatron_dapo.launch.slurm", "--recipe", R32, "--dry-run", "--nodes", "2", *extra]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "sglang-args.yaml" in out.stdout and key not in out.stdout + out.stderr
+
+
 @pytest.mark.timeout(60)
 def test_supervisor_fails_fast_and_tears_down(tmp_path, python):
     """Real processes in place of srun steps: a server that dies stops everything at once, and names its node."""
@@ -273,10 +290,20 @@ def test_supervisor_success_stops_servers(tmp_path, python):
         "parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server
     )
     plan.servers[0].srun, plan.servers[0].url = plan.servers[0].command, f"http://127.0.0.1:{port}"
-    probe = (f"import urllib.request as u; assert u.build_opener(u.ProxyHandler({{}})).open("
-             f"'{plan.servers[0].url}/health').status == 200")  # fmt: skip
+    # the trainer: the servers answer; the job's key is in its environment and, alone, in the 0600 args file
+    probe = (f"import os, stat, yaml, urllib.request as u; assert u.build_opener(u.ProxyHandler({{}})).open("
+             f"'{plan.servers[0].url}/health').status == 200; key = os.environ['DAPO_SGLANG_API_KEY']; "
+             f"f = '{plan.server_args_file}'; assert stat.S_IMODE(os.stat(f).st_mode) == 0o600; "
+             f"assert yaml.safe_load(open(f)) == {{'api-key': key, 'admin-api-key': key}}; "
+             f"pid = open('{pids}/server-node1.pid').read().strip(); "
+             f"assert b'DAPO_SGLANG_API_KEY' not in open(f'/proc/{{pid}}/environ', 'rb').read(); "
+             f"open('{tmp_path}/key', 'w').write(key)")  # fmt: skip
     plan.trainer.srun = [python, "-c", probe]
     assert Supervisor(plan, poll_s=0.1).run() == 0
+    key = (tmp_path / "key").read_text()
+    assert len(key) >= 32 and not Path(plan.server_args_file).exists(), "the key file outlived the job"
+    for f in Path(plan.log_dir).iterdir():
+        assert key not in f.read_text(errors="replace"), f"the key is in {f}"
     pid = int((pids / "server-node1.pid").read_text())
     deadline = time.monotonic() + 10
     while process_running(pid) and time.monotonic() < deadline:

@@ -128,7 +128,8 @@ def test_colocated_servers_then_trainer(local_slurm, tmp_path):
     pids, ranks, logs = tmp_path / "pids", tmp_path / "ranks", tmp_path / "logs"
     out = _salloc(local_slurm, "--recipe", str(TEST_RECIPE_32B), "parallel.tp=2", "parallel.cp=1",
                   f"cluster.server_port={port}", "--ntasks-per-node", "2", "--log-dir", str(logs),
-                  "--server-cmd", f"{FAKE_SERVER} --pid-dir {pids}", "--trainer-cmd", f"{PROBE} --out {ranks}")  # fmt: skip
+                  "--server-cmd", f"{FAKE_SERVER} --pid-dir {pids}",
+                  "--trainer-cmd", f"{PROBE} --out {ranks} --log-dir {logs}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     recs = read_ranks(ranks)
@@ -138,6 +139,10 @@ def test_colocated_servers_then_trainer(local_slurm, tmp_path):
     assert {(r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"], r["MASTER_ADDR"]) for r in recs} == {("4", "2", "127.0.0.1")}
     assert all(r["servers"] == {u: 200 for u in urls} for r in recs)
     assert [r["DAPO_LOCAL_SERVER_URL"] for r in recs] == [urls[0], urls[0], urls[1], urls[1]]  # own node's server
+    # one API key for the job, in every rank's environment, in the 0600 args file only (removed at the end)
+    assert len({r["api_key_sha256"] for r in recs}) == 1 and recs[0]["api_key_sha256"]
+    assert {r["args_file_mode"] for r in recs} == {"0o600"} and all(r["key_in"] == ["sglang-args.yaml"] for r in recs)
+    assert not (logs / "sglang-args.yaml").exists()
     assert f"server http://127.0.0.1:{port} is healthy" in out.stderr
     assert {p.name for p in logs.iterdir()} >= {"server-n1.log", "server-n2.log", "trainer-0.log", "plan.json"}
     server_pids = [int(p.read_text()) for p in pids.glob("*.pid")]

@@ -51,6 +51,7 @@ def test_dotted_overrides_are_typed():
         ("train.mini_batch_prompts=5", "train.mini_batch_prompts = 5: must divide"),
         ("rollout.engine=vllm", "rollout.engine = 'vllm': must be one of"),
         ("rollout.hf_max_batch=0", "rollout.hf_max_batch = 0: must be >= 1"),
+        ("rollout.max_restarts_per_step=-1", "rollout.max_restarts_per_step = -1: must be >= 0"),
         ("model.arch=no-such-model", "unknown model config 'no-such-model'"),
         ("algo", "expected key=value"),
     ],

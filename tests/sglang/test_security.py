@@ -1,0 +1,66 @@
+"""Locked-down servers (issue 16, item 5) on the REAL SGLang 0.5.23 server: the job's API key is required for
+generation and weight updates, and it shows in no command line, no log, and a file readable only by the job's user."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import psutil
+import pytest
+
+from megatron_dapo.rollout.sglang_auth import api_key, secrets_of
+from megatron_dapo.rollout.sglang_server import ServerRequestError, http_call
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+
+
+def test_requests_without_the_key_are_refused(engine, tmp_path):
+    url, key = engine.servers[0].url, api_key()
+    for path, body in [("/generate", GENERATE), ("/update_weights_from_disk", {"model_path": str(tmp_path)}),
+                       ("/release_memory_occupation", {}), ("/get_server_info", None)]:  # fmt: skip
+        for wrong in ("", "not-the-key", key[:-1]):
+            with pytest.raises(ServerRequestError, match="HTTP 401"):
+                http_call(url, path, body, timeout=30, key=wrong)
+    assert len(http_call(url, "/generate", GENERATE, timeout=60)["output_ids"]) == 2  # the job's key: accepted
+    assert http_call(url, "/health", timeout=30, key="") is None  # liveness stays open (probes carry no secret)
+
+
+def test_the_key_is_in_no_command_line_no_log_and_a_private_file(server):
+    key = api_key().encode()
+    assert stat.S_IMODE(os.stat(server.args_file).st_mode) == 0o600
+    assert secrets_of(server.argv()) == [key]  # the file holds it, for the server to read
+    group = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == server.pid()]
+    assert len(group) >= 2, "the redacting wrapper and the server"
+    for p in group:
+        assert key not in b"\0".join(s.encode() for s in p.cmdline()), f"the key is on the command line of {p}"
+        assert b"DAPO_SGLANG_API_KEY" not in _environ(p.pid)
+    log = server.log_path.read_bytes()
+    assert b"'api_key': '<redacted>'" in log, "SGLang logs its server_args: the wrapper must have redacted them"
+    assert key not in log
+    listening = {c.laddr for p in group for c in _connections(p) if c.status == psutil.CONN_LISTEN}
+    assert (server.host, server.port) in {(a.ip, a.port) for a in listening}
+    assert server.host == "127.0.0.1" and not any(
+        a.ip in ("0.0.0.0", "::") and a.port == server.port for a in listening
+    )
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
+def _connections(p: psutil.Process):
+    try:
+        return p.net_connections(kind="inet")
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        return []
