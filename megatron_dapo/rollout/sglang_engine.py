@@ -89,6 +89,7 @@ class SGLangEngine:
         self.step_restarts = 0
         self.metrics = {"requests": 0, "reissued": 0, "restarts": 0, "aborted": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-req")
+        self._on_shutdown: list[Callable[[], None]] = []  # run before the servers stop (weight-sync groups close)
         self._lock = threading.Lock()
         self._rr = 0
         self._version = 0
@@ -145,10 +146,17 @@ class SGLangEngine:
     def shutdown(self, stop_servers: bool = True) -> None:
         """Abort what is in flight and, unless ``stop_servers`` is False, stop the servers this engine started."""
         self.abort()
+        for close in reversed(self._on_shutdown):
+            close()
+        self._on_shutdown.clear()
         if stop_servers:
             for s in self.servers:
                 s.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def on_shutdown(self, close: Callable[[], None]) -> None:
+        """Run ``close`` at ``shutdown``, while the servers still answer (a transport's process group)."""
+        self._on_shutdown.append(close)
 
     def __enter__(self) -> SGLangEngine:
         return self

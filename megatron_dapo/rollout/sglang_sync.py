@@ -217,6 +217,7 @@ class DistributedSync(SGLangSync):
         self._group = None
         self._members: list[str] = []
         self._name = ""
+        engine.on_shutdown(self.close)
 
     def _ensure_group(self, servers: list) -> None:
         from megatron_dapo.actor.dist import free_port
@@ -249,11 +250,13 @@ class DistributedSync(SGLangSync):
         self._members = urls
 
     def close(self) -> None:
-        """Tear the group down on the servers and here (a group with a dead member is abandoned)."""
-        if self._group is None:
-            return
+        """Tear the group down on the servers and here (a group with a dead member is abandoned). The engine calls it
+        at shutdown: a group left to the end of the process would be destroyed with every other group by the next
+        ``dist.destroy_process_group()``, which waits up to its timeout on a broadcast nobody joined."""
         import torch.distributed as dist
 
+        if self._group is None:
+            return
         alive = [s for s in self.engine.servers if s.url in self._members and s.healthy()]
         try:
             self._post(alive, "/destroy_weights_update_group", T.DestroyWeightsUpdateGroupRequest(self._name).to_json())
@@ -286,7 +289,7 @@ class DistributedSync(SGLangSync):
                 try:
                     answer.result()
                 except WeightSyncError:  # a refused announcement: the servers will never join this broadcast
-                    self._group, self._members = None, []  # abandoned (its pending broadcast cannot be cancelled)
+                    self.close()  # the servers leave the group: the pending broadcast fails instead of waiting
                     raise
                 work.wait()
         self._flush(servers)
