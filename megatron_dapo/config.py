@@ -216,6 +216,8 @@ class ClusterConfig:
     master_port: int | None = None  # torch.distributed rendezvous
     server_port: int | None = None  # the first SGLang server on a host (the k-th: + k)
     fs_read_gbps: float = 2.0  # what the servers' weights load at, all together: scales the health wait
+    gpu_mem_gb: float = 80.0  # GiB per GPU: `dapo launch` refuses a layout whose predicted phase peak exceeds 95% of it
+    memory_check: bool = True  # false: launch a layout even when the memory model (plan.py) predicts it will not fit
 
 
 @dataclass
