@@ -120,6 +120,9 @@ class RolloutConfig:
     mem_fraction: float = 0.6
     colocate: bool = True
     server_timeout_s: float = 600.0
+    # the control plane: how long ranks other than rank 0 wait (gloo group, never NCCL) while rank 0 generates,
+    # evaluates or syncs weights: sized to the longest such phase (32B: 1,536 prompts x 16 x 20k tokens), not 10 min
+    control_timeout_s: float = 6 * 3600.0
     max_concurrency: int = 512
 
 

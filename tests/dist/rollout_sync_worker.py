@@ -34,7 +34,7 @@ def main(out: str, hf_dir: str) -> None:
     from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
     from megatron_dapo.rollout.hf_engine import HFEngine
     from megatron_dapo.rollout.weight_sync import CopySync
-    from megatron_dapo.trainer import broadcast
+    from megatron_dapo.rollout.driver import broadcast
 
     cfg = load_config("demo_cpu", ["parallel.tp=2", "train.batch_prompts=4", "train.mini_batch_prompts=2"])
     actor = MegatronActor(cfg)

@@ -1,0 +1,152 @@
+"""The rollout side's driver: rank 0 owns the rollout engine and its weight sync, and the other ranks learn its
+results; the trainer loop (``trainer.py``) and the evaluation (``evaluate.py``) both use it, neither imports the other's
+internals.
+
+    driver = RolloutDriver(cfg, arch, tokenizer, run_dir, actor)   # engine + make_weight_sync on rank 0
+    driver.sync_weights(actor, version)                            # a collective export, rank 0 sends
+    on_driver(fn, *args)                                           # fn on rank 0, its result (or error) everywhere
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, DapoConfig, load_arch
+from megatron_dapo.ports import JobPorts
+from megatron_dapo.rollout import sglang_sync
+from megatron_dapo.rollout.engine import TokenizerInfo
+from megatron_dapo.rollout.weight_sync import CopySync, WeightSync
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.actor import MegatronActor
+
+
+_CONTROL: dict = {"group": None, "timeout_s": 6 * 3600.0}
+
+
+def set_control_timeout(seconds: float) -> None:
+    """``rollout.control_timeout_s``: how long the control plane waits; before its first use (every rank)."""
+    if _CONTROL["group"] is not None and _CONTROL["timeout_s"] != seconds:
+        raise RuntimeError("the control group exists already: set its timeout before the first broadcast")
+    _CONTROL["timeout_s"] = float(seconds)
+
+
+def control_group():
+    """A gloo group over every rank, with ``rollout.control_timeout_s``: what the ranks wait on while rank 0 alone
+    works (rollout, eval, weight sync). Never the default group: on GPU that is NCCL, whose watchdog kills a rank that
+    waits longer than its timeout (10 min) inside a collective, and a CUDA stream held by a pending NCCL op."""
+    if _CONTROL["group"] is None:
+        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_CONTROL["timeout_s"]))
+    return _CONTROL["group"]
+
+
+def broadcast(obj=None):
+    """Rank 0's object on every rank, over the control plane (gloo)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
+
+
+def control_barrier() -> None:
+    """Every rank here before any goes on (the control plane's timeout)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=control_group())
+
+
+def is_driver() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class DriverError(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in work only it does (rollout, eval, weight sync)."""
+
+
+def on_driver(fn, *args):
+    """``fn(*args)`` on rank 0 only; its result on every rank. If it raises, every rank raises: rank 0 the error
+    itself, the others a ``DriverError`` with its message, so no rank is left waiting in a collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args)
+    outcome = None
+    if is_driver():
+        try:
+            outcome = ("ok", fn(*args))
+        except Exception as e:
+            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
+            raise
+    kind, value = broadcast(outcome)
+    if kind == "error":
+        raise DriverError(value)
+    return value
+
+
+class RolloutDriver:
+    """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export."""
+
+    def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
+        self.cfg, self.arch = cfg, arch
+        self.engine = self.sync = None
+        model_path = cfg.model.hf_init
+        if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
+            from megatron_dapo.bridge.export import save_hf_checkpoint
+
+            model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
+            save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
+        if is_driver():
+            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
+            self.sync = make_weight_sync(cfg, self.engine)
+
+    def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
+        from megatron_dapo.bridge.export import export_hf_tensors
+
+        buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
+        if self.sync is None:
+            for _ in buckets:  # take part in the gathers
+                pass
+        return on_driver(lambda: self.sync.sync(buckets, version).metrics())
+
+    def close(self) -> None:
+        """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
+        if hasattr(self.sync, "close"):
+            self.sync.close()
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+
+def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
+    info = TokenizerInfo.from_hf(tokenizer)
+    if cfg.rollout.engine == "hf":
+        from megatron_dapo.rollout.hf_engine import HFEngine
+
+        dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+        return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
+
+
+def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
+    """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``."""
+    r = cfg.rollout
+    kind, verify = r.weight_sync, r.verify_sync
+    if kind == "copy":
+        return CopySync(engine, verify)
+    classes = {
+        "disk": sglang_sync.DiskSync,
+        "tensor": sglang_sync.TensorSync,
+        "distributed": sglang_sync.DistributedSync,
+    }
+    if kind not in classes:
+        raise ConfigError(f"rollout.weight_sync = {kind!r}: expected copy, tensor, distributed or disk")
+    kwargs = {"head_dim": load_arch(cfg.model.arch).head_dim}
+    if kind == "disk":
+        kwargs["directory"] = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
+    if kind == "distributed":
+        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
+        kwargs["master_port"] = job_ports.weight_sync if job_ports else None
+    return classes[kind](engine, verify, **kwargs)
