@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from megatron_dapo.rollout.driver import (  # noqa: F401  (DriverError: this mod
     broadcast,
     is_driver,
     on_driver,
+    scatter_batch,
     set_control_timeout,
 )
 from megatron_dapo.rollout.engine import SamplingParams, check_logprob_gap
@@ -61,11 +63,11 @@ class Trainer:
         self.sampler = DynamicSampler(
             cfg.train.batch_prompts, cfg.algo.max_gen_batches, enabled=cfg.algo.dynamic_sampling
         )
-        self.is_driver = is_driver()
         self.stop = stop or runs.StopRequest.from_env()
         self.stopped_early = False
         self.resumed_from = self._resume_path(resume)  # checked before the model is built
-        self.actor = MegatronActor(cfg, self.arch)
+        self.actor = MegatronActor(cfg, self.arch)  # initializes torch.distributed
+        self.is_driver = is_driver()  # rank 0 (asked before the actor, every rank would say so)
         self.samples_generated = 0  # over the whole run (resumes included): train.sample_budget
         self.start_step = self._restore(self.resumed_from)
         if is_driver():
@@ -93,16 +95,17 @@ class Trainer:
         for step in track(steps, description="DAPO steps", disable=not is_driver() or not steps):
             times: dict[str, float] = {}
             with Timer("step", times):
-                with Timer("rollout", times):
-                    groups, sampling_stats = on_driver(self.collect_groups, step)
+                with Timer("rollout", times):  # rank 0 generates; each DP rank is sent its share of the batch
+                    seqs, (metrics, sampling_stats) = scatter_batch(partial(self.rollout_batch, step), self.actor)
                 self.samples_generated += sampling_stats["samples_generated"]
                 final = step == cfg.train.steps or self._budget_spent(started)
-                seqs, metrics = to_sequences(groups, cfg)
                 self.phases.to_train()  # colocated: engines release their memory, the trainer's state comes back
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
-                metrics.update(logprob_gap_stats(groups, [s.old_logprobs for s in seqs]))
-                metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old, per token
+                if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
+                    metrics.update(logprob_gap_stats(self.groups, [s.old_logprobs for s in seqs]))
+                    metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old
+                metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
                 with Timer("sync", times):
@@ -140,6 +143,12 @@ class Trainer:
         return bool(broadcast(spent))
 
     # ------------------------------------------------------------------------------------------------------------------
+    def rollout_batch(self, step: int) -> tuple[list[Sequence], tuple[dict, dict]]:
+        """Rank 0: this step's groups (kept in ``self.groups``) as training sequences, (reward and sampling stats)."""
+        self.groups, stats = self.collect_groups(step)
+        seqs, metrics = to_sequences(self.groups, self.cfg)
+        return seqs, (metrics, stats)
+
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:
         """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
         cfg, sampler = self.cfg, self.sampler

@@ -85,6 +85,53 @@ def on_driver(fn, *args):
     return value
 
 
+_DP: dict = {}
+
+
+def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
+    """Every rank's DP rank, and per DP rank d a gloo group of rank 0 and the ranks of d (created once, everywhere)."""
+    if not _DP:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, actor.dp_rank, group=control_group())
+        timeout = datetime.timedelta(seconds=_CONTROL["timeout_s"])
+        members = [sorted({0} | {r for r, dd in enumerate(ranks) if dd == d}) for d in range(max(ranks) + 1)]
+        _DP.update(ranks=ranks, members=members,
+                   groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members])  # fmt: skip
+    return _DP["ranks"], _DP["groups"]
+
+
+def scatter_batch(fn, actor: MegatronActor):
+    """``fn()`` on rank 0 -> (sequences, small extra). Every rank gets (the sequences as its DP rank needs them: its
+    share whole, the others as stubs, ``actor/shares.py``; extra). One broadcast per DP rank over a gloo group of rank
+    0 and that DP rank's ranks, not the whole batch to every rank. An error on rank 0 reaches every rank (DriverError)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    from megatron_dapo.actor.shares import dp_shares, share_for
+
+    ranks, groups = _dp_groups(actor)
+    outcome = seqs = shares = None
+    if is_driver():
+        try:
+            seqs, extra = fn()
+            shares = dp_shares(actor, seqs)
+            outcome = ("ok", extra)
+        except Exception as e:
+            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
+            raise
+    kind, extra = broadcast(outcome)
+    if kind == "error":
+        raise DriverError(extra)
+    mine = ranks[dist.get_rank()]
+    for d, group in enumerate(groups):
+        if _DP["members"][d] == [0] or not (is_driver() or d == mine):
+            continue
+        box = [share_for(seqs, shares[d]) if is_driver() else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if not is_driver():
+            seqs = box[0]
+    return seqs, extra
+
+
 class RolloutDriver:
     """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export."""
 
