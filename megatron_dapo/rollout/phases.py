@@ -14,6 +14,9 @@ side uses megatron-core's own RL hooks (``DistributedDataParallel.offload_grad_b
 phase counts). On a CPU there is no accelerator memory to hand over: the trainer's calls are no-ops there, the
 engines' calls still go to the servers (SGLang on CPU accepts them and frees nothing).
 
+Not run on a GPU yet: the CUDA side (megatron-core's hooks, SGLang's memory saver) is read from their sources, not
+measured; checkpoints are written in the rollout phase, with the optimizer states on the host.
+
 Rank 0 makes the engine calls; every rank moves its own train state; the ranks meet on the control plane
 (``driver.control_barrier``, a gloo group) so no engine resumes before every trainer rank on its GPUs has offloaded,
 and no rank reloads before the engines have released.
