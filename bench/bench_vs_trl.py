@@ -60,7 +60,8 @@ def prepare(shape: str, work: Path, steps: int) -> tuple[Path, list[str], dict]:
 
     from megatron_dapo.bridge.hf_config import transformers_config
     from megatron_dapo.config import load_arch, load_config
-    from megatron_dapo.data.dataset import PromptIterator, build_prompt_datasets
+    from megatron_dapo.data.dataset import PromptIterator
+    from megatron_dapo.data.sources import build_prompt_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
 
     s = SHAPES[shape]

@@ -120,6 +120,9 @@ class RolloutConfig:
     mem_fraction: float = 0.6
     colocate: bool = True
     server_timeout_s: float = 600.0
+    # the control plane: how long ranks other than rank 0 wait (gloo group, never NCCL) while rank 0 generates,
+    # evaluates or syncs weights: sized to the longest such phase (32B: 1,536 prompts x 16 x 20k tokens), not 10 min
+    control_timeout_s: float = 6 * 3600.0
     max_concurrency: int = 512
     # a server that dies mid-rollout is restarted, resynced and its requests re-issued; more deaths than this in one
     # step stop the run with an error naming the server's node and log
@@ -219,6 +222,8 @@ class ClusterConfig:
     master_port: int | None = None  # torch.distributed rendezvous
     server_port: int | None = None  # the first SGLang server on a host (the k-th: + k)
     fs_read_gbps: float = 2.0  # what the servers' weights load at, all together: scales the health wait
+    gpu_mem_gb: float = 80.0  # GiB per GPU: `dapo launch` refuses a layout whose predicted phase peak exceeds 95% of it
+    memory_check: bool = True  # false: launch a layout even when the memory model (plan.py) predicts it will not fit
 
 
 @dataclass

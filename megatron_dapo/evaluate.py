@@ -60,11 +60,12 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.checkpoint import read_meta
     from megatron_dapo.config import ArchConfig
-    from megatron_dapo.data.dataset import build_eval_datasets
+    from megatron_dapo.data.sources import build_eval_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.reward.registry import RewardScorer
-    from megatron_dapo.trainer import RolloutDriver, broadcast, is_driver
+    from megatron_dapo.rollout.driver import RolloutDriver, broadcast, is_driver, set_control_timeout
 
+    set_control_timeout(cfg.rollout.control_timeout_s)
     arch = ArchConfig(**read_meta(path)["arch"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
     datasets = build_eval_datasets(cfg, tokenizer)

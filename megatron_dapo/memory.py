@@ -201,3 +201,32 @@ def fit_micro_batch_tokens(arch: ArchConfig, max_seq_len: int, available: float,
     full_chunk = actor_memory(arch, kw.get("logprob_chunk_tokens", 1024), max_seq_len, **kw)
     room = available - full_chunk.fixed
     return max(0, int(room // one.activations)) if room > 0 else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One phase's peak (plan.py fills them: a colocated GPU holds the trainer and SGLang)
+
+
+@dataclass
+class PhaseMemory:
+    """Per-GPU bytes at the peak of one phase (``train`` or ``rollout``), term by term: (name, bytes, why)."""
+
+    phase: str
+    rows: list[tuple[str, float, str]]
+    usable: float
+
+    @property
+    def total(self) -> float:
+        return sum(v for _, v, _ in self.rows)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def explain(self) -> str:
+        lines = [f"{self.phase} phase, per GPU (GiB):"]
+        lines += [f"  {name:<22}{value / GiB:8.2f}   {why}" for name, value, why in self.rows]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        return "\n".join(
+            lines + [f"  {'peak':<22}{self.total / GiB:8.2f}   of {self.usable / GiB:.1f} usable: {verdict}"]
+        )

@@ -21,11 +21,12 @@ prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough st
   the final hidden states gathered from sequence parallelism and their response-position copy (2 × tokens × h × 2 B).
   This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
   ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
-- Colocated rollout: during training SGLang has released its weights and KV cache and keeps ``rollout_residual_gb``
-  (or, with ``rollout_release=False``, its whole ``mem_fraction``). During rollout the trainer's weights, grads and
-  optimizer states stay resident (unless ``offload_train_state``) and SGLang gets ``mem_fraction`` of the GPU (or,
-  when None, what the trainer leaves); it must hold its weight shard plus a KV cache for ``min_rollout_seqs``
-  full-length sequences per engine.
+- Colocated, two phases (``Plan.phases``, each must fit): *train* = the trainer's peak while SGLang has released
+  its weights and KV cache and keeps ``rollout_residual_gb`` (or, with ``rollout_release=False``, its whole
+  ``mem_fraction``); *rollout* = the trainer's weights (its grads and optimizer states on the host:
+  ``offload_train_state``, what ``placement.to_rollout()`` does; without it they stay) + overhead + SGLang's
+  ``mem_fraction`` of the GPU (or, when None, what the trainer leaves), which must hold its weight shard plus a KV
+  cache for ``min_rollout_seqs`` full-length sequences per engine.
 - Framework overhead: ``overhead_gb`` (CUDA context, NCCL buffers, allocator fragmentation, TE workspaces).
 - Step time: FLOPs = tokens · (8·N + recompute extra) + attention, over GPUs × peak × MFU × TP/CP efficiency,
   stretched by the pipeline bubble, plus the gradient reduction of every optimizer update (see ``_step_time``).
@@ -48,6 +49,7 @@ from megatron_dapo.memory import (  # noqa: F401 - the formulas, re-exported for
     RECOMPUTE,
     SELECTIVE_MODULES,
     GiB,
+    PhaseMemory,
     _check_split,
     activation_bytes_per_token,
     count_params,
@@ -127,6 +129,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     model: str = ""
     max_seq_len: int = 0
+    phases: list[PhaseMemory] = field(default_factory=list)  # colocated: train and rollout peaks
 
     @property
     def memory_gib(self) -> float:
@@ -198,6 +201,8 @@ class Plan:
                 f"(mem_fraction {r.mem_fraction:.2f}), weights {r.weights / gib:.1f} GiB, KV cache "
                 f"{r.kv_tokens:,} tokens/engine{meanwhile}"
             )
+        for ph in self.phases if r is not None and r.colocated else []:
+            lines.append(ph.explain())
         lines.append(
             f"time: {self.micro_batches_per_update} micro-batches/update/DP rank, pipeline bubble "
             f"{self.pipeline_bubble:.1%}, {self.flops_per_step / 1e18:.2f} EFLOP/step → ≈{self.step_time_s:.0f} s "
@@ -220,7 +225,7 @@ class PlanOptions:
     rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85
     rollout_release: bool = True  # colocated SGLang releases weights + KV cache while the actor trains
     rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA graphs, context)
-    offload_train_state: bool = False  # the trainer moves weights/grads/optimizer to the host during rollout
+    offload_train_state: bool = True  # colocated: grads + optimizer states on the host during rollout (weights stay)
     min_rollout_seqs: int = 16  # full-length sequences an SGLang engine's KV cache must hold
     batch_prompts: int = 512  # B
     group_size: int = 16  # G
@@ -255,15 +260,17 @@ class _Job:
     dp_bandwidth_gbs: float
 
 
-def _rollout(job: _Job, share: float, trainer_resident: float) -> tuple[Rollout, str | None]:
-    """Pick the smallest SGLang TP whose weight shard uses ≤ half the share and whose KV cache holds
+def _rollout(
+    job: _Job, share: float, trainer_resident: float, fixed_tp: int | None = None
+) -> tuple[Rollout, str | None]:
+    """Pick (or, with ``fixed_tp``, check) the smallest SGLang TP whose weight shard uses ≤ half the share and whose KV cache holds
     ``min_rollout_seqs`` full-length sequences. KV bytes/token = 2 (K, V) · layers · kv_heads · head_dim · 2 B,
     divided by min(TP, kv_heads) per GPU (KV heads are replicated beyond that)."""
     a = job.arch
     weights_total = BF16 * total_params(a)
     kv_per_token = 2 * a.num_layers * a.num_query_groups * a.head_dim * BF16
     best = None
-    for tp in _powers_of_two(job.gpus_per_node):
+    for tp in [fixed_tp] if fixed_tp else _powers_of_two(job.gpus_per_node):
         weights = weights_total / tp
         kv_tokens = int(max(share - weights, 0) / (kv_per_token / min(tp, a.num_query_groups)))
         best = Rollout(job.opt.colocated, tp, share, share / job.gpu, weights, kv_tokens, trainer_resident)
@@ -277,23 +284,7 @@ def _rollout(job: _Job, share: float, trainer_resident: float) -> tuple[Rollout,
     )
 
 
-def plan(
-    model: str | ArchConfig,
-    max_prompt: int,
-    max_response: int,
-    nodes: int,
-    gpus_per_node: int,
-    gpu_mem_gb: float,
-    **options,
-) -> list[Plan]:
-    """Evaluate every plan; return them all, feasible ones first (best first), then the rest (closest first).
-
-    ``gpu_mem_gb`` is in GiB; a plan must fit in ``usable_fraction`` of it (overhead included). ``options`` are the
-    fields of ``PlanOptions`` (``colocated=False``, ``rollout_nodes=4``, …). Colocated: training and SGLang share all
-    ``nodes × gpus_per_node`` GPUs, SGLang releasing its memory while the actor trains (``rollout_release``; else it
-    keeps ``rollout_mem_fraction``, default 0.6). Disaggregated: SGLang on ``rollout_nodes``, training on the rest.
-    TP stays within a node; the layers must split evenly over PP.
-    """
+def _make_job(model, max_prompt, max_response, nodes, gpus_per_node, gpu_mem_gb, options) -> _Job:
     arch = load_arch(model) if isinstance(model, str) else model
     try:
         opt = PlanOptions(**options)
@@ -332,6 +323,28 @@ def plan(
         # the gradient collectives cross nodes as soon as the job does
         dp_bandwidth_gbs=opt.dp_bandwidth_gbs * (1 if world > gpus_per_node else 8),
     )
+    return job
+
+
+def plan(
+    model: str | ArchConfig,
+    max_prompt: int,
+    max_response: int,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gb: float,
+    **options,
+) -> list[Plan]:
+    """Evaluate every plan; return them all, feasible ones first (best first), then the rest (closest first).
+
+    ``gpu_mem_gb`` is in GiB; a plan must fit in ``usable_fraction`` of it (overhead included). ``options`` are the
+    fields of ``PlanOptions`` (``colocated=False``, ``rollout_nodes=4``, …). Colocated: training and SGLang share all
+    ``nodes × gpus_per_node`` GPUs, SGLang releasing its memory while the actor trains (``rollout_release``; else it
+    keeps ``rollout_mem_fraction``, default 0.6). Disaggregated: SGLang on ``rollout_nodes``, training on the rest.
+    TP stays within a node; the layers must split evenly over PP.
+    """
+    job = _make_job(model, max_prompt, max_response, nodes, gpus_per_node, gpu_mem_gb, options)
+    arch, opt, world, max_seq = job.arch, job.opt, job.world, job.max_seq
     plans = []
     for tp in _powers_of_two(gpus_per_node):
         try:
@@ -343,18 +356,38 @@ def plan(
                 for mult, recompute, distopt, fp8 in itertools.product(
                     opt.micro_batch_multiples, RECOMPUTE, (True, False), opt.fp8_options
                 ):
-                    plans.append(_evaluate(job, tp, pp, cp, mult, recompute, distopt, fp8))
+                    mb_tokens = -(-max_seq * mult // (256 * cp)) * 256 * cp  # whole sequences; THD+CP: 2·CP | length
+                    plans.append(_evaluate(job, tp, pp, cp, mb_tokens, recompute, distopt, fp8))
     return rank_plans(plans)
 
 
-def _evaluate(job: _Job, tp: int, pp: int, cp: int, mult: int, recompute: str, distopt: bool, fp8: bool) -> Plan:
+def evaluate_layout(
+    model: str | ArchConfig, max_prompt: int, max_response: int, nodes: int, gpus_per_node: int, gpu_mem_gb: float,
+    *, tp: int, pp: int, cp: int, micro_batch_tokens: int, recompute: str = "none", distributed_optimizer: bool = True,
+    fp8: bool = False, sglang_tp: int | None = None, **options,
+) -> Plan:  # fmt: skip
+    """The one plan of a chosen layout (a recipe's): its memory per phase and step time; ``feasible`` says whether it
+    fits, ``reasons`` why not. ``options`` as for ``plan``."""
+    job = _make_job(model, max_prompt, max_response, nodes, gpus_per_node, gpu_mem_gb, options)
+    if job.world % (tp * pp * cp):
+        raise ConfigError(f"parallel.tp × pp × cp = {tp}×{pp}×{cp}: must divide the {job.world} training GPUs")
+    try:
+        _check_split(job.arch, tp, pp)
+    except ValueError as e:
+        raise ConfigError(f"parallel: {e}") from e
+    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp)
+
+
+def _evaluate(
+    job: _Job, tp: int, pp: int, cp: int, mb_tokens: int, recompute: str, distopt: bool, fp8: bool,
+    sglang_tp: int | None = None,
+) -> Plan:  # fmt: skip
     """Memory of the first and last stage (the others hold fewer parameters than the first and fewer in-flight
     activations than stage 0), the rollout phase, and the step time of one candidate."""
     arch, o, L, h = job.arch, job.opt, job.arch.num_layers, job.arch.hidden_size
     overhead = o.overhead_gb * GiB
     dp = job.world // (tp * pp * cp)
     vocab = padded_vocab_size(arch.vocab_size, tp)
-    mb_tokens = -(-job.max_seq * mult // (256 * cp)) * 256 * cp  # whole sequences; THD + CP needs 2·CP | length
     tok_gpu = mb_tokens // cp
     m_update = max(math.ceil(job.step_tokens / job.updates / dp / (mb_tokens * 0.97)), 1)  # ~3% packing loss
     per_layer = activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
@@ -390,20 +423,27 @@ def _evaluate(job: _Job, tp: int, pp: int, cp: int, mult: int, recompute: str, d
     reasons = []
     if worst.total > job.usable:
         reasons.append(_overflow(worst, job.usable))
-    resident = 0.0 if o.offload_train_state or not o.colocated else max(st.resident for st in stages)
+    kept = max(stages, key=lambda st: st.weights + st.fp8_cache if o.offload_train_state else st.resident)
+    resident = (kept.weights + kept.fp8_cache if o.offload_train_state else kept.resident) if o.colocated else 0.0
     if o.colocated:
         share = (
             o.rollout_mem_fraction * job.gpu if o.rollout_mem_fraction is not None else job.usable - resident - overhead
         )
-        if resident + overhead + share > job.usable:
-            reasons.append(
-                f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
-                f"{share / GiB:.1f} GiB > {job.usable / GiB:.1f} GiB usable (lower the SGLang mem_fraction or "
-                "offload the train state)"
-            )
     else:
         share = (o.rollout_mem_fraction or 0.85) * job.gpu
-    rollout, why = _rollout(job, max(share, 0.0), resident)
+    rollout, why = _rollout(job, max(share, 0.0), resident, sglang_tp)
+    phases = []
+    if o.colocated:
+        phases = [
+            _train_phase(worst, job.usable, dp * cp if distopt else 1),
+            _rollout_phase(kept, rollout, o, job.usable),
+        ]
+        if not phases[1].fits:
+            reasons.append(
+                f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
+                f"{share / GiB:.1f} GiB = {phases[1].total / GiB:.1f} > {job.usable / GiB:.1f} GiB usable (lower the "
+                "SGLang mem_fraction or offload the train state)"
+            )
     if why:
         reasons.append(why)
     if (seqs := o.mini_batch_prompts * o.group_size) < dp:
@@ -434,7 +474,36 @@ def _evaluate(job: _Job, tp: int, pp: int, cp: int, mult: int, recompute: str, d
         reasons=reasons,
         model=arch.name,
         max_seq_len=job.max_seq,
+        phases=phases,
     )
+
+
+def _train_phase(m: Memory, usable: float, opt_div: int) -> PhaseMemory:
+    rows = [
+        ("trainer weights", m.weights + m.fp8_cache, f"{m.params / 1e9:.2f} B params × 2 B (bf16)"
+         + (" + FP8 copy and transpose of the GEMM weights" if m.fp8_cache else "")),
+        ("trainer grads", m.grads, "params × 4 B (fp32 main grads)"),
+        ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
+        ("trainer activations", m.activations, f"micro-batches in flight on stage {m.stage}"),
+        ("trainer logits", m.logits, "one log-softmax chunk (last stage)"),
+        ("SGLang (released)", m.rollout, "what a released engine keeps (context, graphs)"),
+        ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
+    ]  # fmt: skip
+    return PhaseMemory("train", rows, usable)
+
+
+def _rollout_phase(m: Memory, r: Rollout, o: PlanOptions, usable: float) -> PhaseMemory:
+    off = o.offload_train_state
+    kv = max(r.share - r.weights, 0.0)
+    rows = [
+        ("trainer weights", m.weights + m.fp8_cache, f"stage {m.stage}'s parameters stay on the GPU"),
+        ("trainer grads", 0.0 if off else m.grads, "offloaded to the host" if off else "kept"),
+        ("trainer optimizer", 0.0 if off else m.optimizer, "offloaded to the host" if off else "kept"),
+        ("SGLang weights", r.weights, f"the whole model (bf16) / TP{r.sglang_tp}"),
+        ("SGLang KV cache", kv, f"mem_fraction {r.mem_fraction:.2f} × GPU − weights: {r.kv_tokens:,} tokens/engine"),
+        ("overhead", o.overhead_gb * GiB, "CUDA contexts, NCCL, fragmentation"),
+    ]
+    return PhaseMemory("rollout", rows, usable)
 
 
 def _overflow(m: Memory, usable: float) -> str:

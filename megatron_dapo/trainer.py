@@ -1,7 +1,8 @@
 """The DAPO training loop: generate → reward → filter → advantages → train → sync → eval → save.
 
 Every rank runs ``Trainer.run``; rank 0 drives the rollout engine and broadcasts the kept groups, every rank trains.
-Transports and parallelism live behind ``RolloutDriver`` (engine + weight sync) and ``MegatronActor``.
+Transports and parallelism live behind ``RolloutDriver`` (engine + weight sync, ``rollout/driver.py``) and
+``MegatronActor``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,122 +23,29 @@ from megatron_dapo.actor.actor import MegatronActor, Sequence
 from megatron_dapo.algo.sampling import DynamicSampler, PromptOrderCollector
 from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, to_sequences
 from megatron_dapo.config import ConfigError, DapoConfig, load_arch, save_config
-from megatron_dapo.data.dataset import PromptIterator, build_prompt_datasets
+from megatron_dapo.data.dataset import PromptIterator
+from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.evaluate import run_eval
 from megatron_dapo.metrics import MetricsLogger, Timer
 from megatron_dapo.reward.registry import RewardScorer
-from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo, check_logprob_gap
-
-
-def broadcast(obj=None):
-    """Rank 0's object on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def is_driver() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-class DriverError(RuntimeError):
-    """Raised on the other ranks when rank 0 failed in work only it does (rollout, eval, weight sync)."""
-
-
-def on_driver(fn, *args):
-    """``fn(*args)`` on rank 0 only; its result on every rank. If it raises, every rank raises: rank 0 the error
-    itself, the others a ``DriverError`` with its message, so no rank is left waiting in a collective."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn(*args)
-    outcome = None
-    if is_driver():
-        try:
-            outcome = ("ok", fn(*args))
-        except Exception as e:
-            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
-            raise
-    kind, value = broadcast(outcome)
-    if kind == "error":
-        raise DriverError(value)
-    return value
-
-
-class RolloutDriver:
-    """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export.
-
-    A server that dies mid-rollout is restarted by the engine, which then calls ``resync``: the current weights go to
-    the restarted servers only, through the run's transport, verified, before its requests are re-issued."""
-
-    def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
-        self.cfg, self.arch, self.actor = cfg, arch, actor
-        self.engine = self.sync = None
-        model_path = cfg.model.hf_init
-        if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
-            from megatron_dapo.bridge.export import save_hf_checkpoint
-
-            model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
-            save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
-        if is_driver():
-            from megatron_dapo.rollout.weight_sync import make_weight_sync
-
-            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
-            self.sync = make_weight_sync(cfg, self.engine)
-            if hasattr(self.engine, "resync"):
-                self.engine.resync = self.resync
-
-    def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
-        from megatron_dapo.bridge.export import export_hf_tensors
-
-        buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
-        if self.sync is None:
-            for _ in buckets:  # take part in the gathers
-                pass
-        return on_driver(lambda: self.sync.sync(buckets, version).metrics())
-
-    def resync(self, servers: list) -> None:
-        """Rank 0, mid-rollout: send the weights of the engine's current version (the actor's: it trains only after
-        the rollout) to ``servers``, just restarted. The export runs on rank 0 alone: the other ranks wait for it in
-        a broadcast, so it works where rank 0 holds the whole model (TP = PP = 1, or one process)."""
-        from megatron_dapo.bridge.export import export_hf_tensors
-        from megatron_dapo.rollout.engine import RolloutError
-
-        p = self.cfg.parallel
-        if dist.is_initialized() and dist.get_world_size() > 1 and p.tp * p.pp > 1:
-            raise RolloutError(
-                f"{[s.url for s in servers]} restarted, but resyncing them mid-rollout needs the export of every "
-                f"model-parallel rank (parallel.tp x parallel.pp = {p.tp * p.pp}), which wait for rank 0: stopping"
-            )
-        buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
-        report = self.sync.sync(buckets, self.engine.weight_version, workers=list(servers))
-        print(f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
-              f"({report.tensors} tensors, {report.seconds:.1f} s, {report.verified} verified)", flush=True)  # fmt: skip
-
-    def close(self) -> None:
-        """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
-        if hasattr(self.sync, "close"):
-            self.sync.close()
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
-
-
-def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
-    info = TokenizerInfo.from_hf(tokenizer)
-    if cfg.rollout.engine == "hf":
-        from megatron_dapo.rollout.hf_engine import HFEngine
-
-        dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
-        return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-
-    return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
+from megatron_dapo.rollout.driver import (  # noqa: F401  (DriverError: this module's API since it began)
+    DriverError,
+    RolloutDriver,
+    broadcast,
+    is_driver,
+    on_driver,
+    scatter_batch,
+    set_control_timeout,
+)
+from megatron_dapo.rollout.engine import SamplingParams, check_logprob_gap
+from megatron_dapo.rollout.phases import make_phases
 
 
 class Trainer:
     def __init__(self, cfg: DapoConfig, resume: str | None = "auto", stop: runs.StopRequest | None = None):
         self.cfg = cfg
+        set_control_timeout(cfg.rollout.control_timeout_s)  # what the other ranks wait on while rank 0 works
         self.arch = load_arch(cfg.model.arch)
         if cfg.model.hf_init:  # an HF checkpoint of another architecture: an error now, not after building the model
             from megatron_dapo.bridge.hf_config import check_hf_dir
@@ -154,17 +63,18 @@ class Trainer:
         self.sampler = DynamicSampler(
             cfg.train.batch_prompts, cfg.algo.max_gen_batches, enabled=cfg.algo.dynamic_sampling
         )
-        self.is_driver = is_driver()
         self.stop = stop or runs.StopRequest.from_env()
         self.stopped_early = False
         self.resumed_from = self._resume_path(resume)  # checked before the model is built
-        self.actor = MegatronActor(cfg, self.arch)
+        self.actor = MegatronActor(cfg, self.arch)  # initializes torch.distributed
+        self.is_driver = is_driver()  # rank 0 (asked before the actor, every rank would say so)
         self.samples_generated = 0  # over the whole run (resumes included): train.sample_budget
         self.start_step = self._restore(self.resumed_from)
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
+        self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         self.scorer = RewardScorer() if is_driver() else None
         resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
         self.logger = (
@@ -185,16 +95,19 @@ class Trainer:
         for step in track(steps, description="DAPO steps", disable=not is_driver() or not steps):
             times: dict[str, float] = {}
             with Timer("step", times):
-                with Timer("rollout", times):
-                    groups, sampling_stats = on_driver(self.collect_groups, step)
+                with Timer("rollout", times):  # rank 0 generates; each DP rank is sent its share of the batch
+                    seqs, (metrics, sampling_stats) = scatter_batch(partial(self.rollout_batch, step), self.actor)
                 self.samples_generated += sampling_stats["samples_generated"]
                 final = step == cfg.train.steps or self._budget_spent(started)
-                seqs, metrics = to_sequences(groups, cfg)
+                self.phases.to_train()  # colocated: engines release their memory, the trainer's state comes back
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
-                metrics.update(logprob_gap_stats(groups, [s.old_logprobs for s in seqs]))
-                metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old, per token
+                if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
+                    metrics.update(logprob_gap_stats(self.groups, [s.old_logprobs for s in seqs]))
+                    metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old
+                metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
+                self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
                 with Timer("sync", times):
                     metrics.update(self.rollout.sync_weights(self.actor, version=step))
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
@@ -207,6 +120,7 @@ class Trainer:
             metrics.update({f"train/{k}": float(v) for k, v in sampling_stats.items() if not k.startswith("total_")})
             metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
+            metrics.update(getattr(self.phases, "timings", {}))
             last = self.log(step, metrics)
             if final or self._stop_after(step, saved):
                 break
@@ -229,6 +143,12 @@ class Trainer:
         return bool(broadcast(spent))
 
     # ------------------------------------------------------------------------------------------------------------------
+    def rollout_batch(self, step: int) -> tuple[list[Sequence], tuple[dict, dict]]:
+        """Rank 0: this step's groups (kept in ``self.groups``) as training sequences, (reward and sampling stats)."""
+        self.groups, stats = self.collect_groups(step)
+        seqs, metrics = to_sequences(self.groups, self.cfg)
+        return seqs, (metrics, stats)
+
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:
         """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
         cfg, sampler = self.cfg, self.sampler
@@ -285,6 +205,7 @@ class Trainer:
             for it in items:
                 target = supervised_target_ids(self.tokenizer, it.ground_truth, it.extra)
                 seqs.append(Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids)))
+            self.phases.to_train()
             m = self.actor.supervised_step(seqs, lr=t.supervised_lr)
             # accuracy jumps fast once it starts: check every 10 steps from half the target on, every 20 before
             if (
@@ -292,6 +213,7 @@ class Trainer:
                 or k == t.supervised_warmup_steps
                 or out_of_time
             ):
+                self.phases.to_rollout()
                 self.rollout.sync_weights(self.actor, version=0)
                 acc = self.evaluate(0)
                 score = min((v for key, v in acc.items() if "/avg@" in key), default=0.0)

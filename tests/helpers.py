@@ -9,6 +9,12 @@ REPO = Path(__file__).resolve().parents[1]
 AIME = REPO / "data" / "aime-2024.parquet"  # shipped with the repository (data/README.md)
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a test's child process that runs a script (sys.path[0] = the script's folder): this checkout
+    first, not an installed copy of the package (a venv shared with another checkout)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def torchrun_cmd(nproc: int) -> list[str]:
     """``python -m torch.distributed.run`` for ``nproc`` local ranks on a free rendezvous port."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
@@ -18,7 +24,7 @@ def torchrun_cmd(nproc: int) -> list[str]:
 def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun (gloo on CPU) and fail with its output if it fails or hangs."""
     cmd = [*torchrun_cmd(nproc), str(script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": repo_pythonpath()}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

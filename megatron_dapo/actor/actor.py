@@ -253,6 +253,13 @@ class MegatronActor:
         """This DP rank's micro-batches (equal count on every DP rank; empty ones carry a dummy token), shaped by
         ``self.geometry``: packed THD rows on Transformer Engine; on the local spec, right-padded rows in which a
         group's responses share one copy of their prompt where that is cheaper (``data/shared_prompt.py``)."""
+        rows, per_rank = self.plan_micro_batches(seqs)
+        return [self._micro_batch(seqs, [rows[k] for k in mb]) for mb in per_rank[self.dp_rank]]
+
+    def plan_micro_batches(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """(rows: lists of indices into ``seqs``, per DP rank its micro-batches as lists of row indices): from the
+        sequences' lengths and prompts only, the same on every rank (``actor/shares.py`` sends each DP rank what its
+        micro-batches hold)."""
         prompt_lens = [s.prompt_len for s in seqs]
         if self.geometry.layout == "padded" and self.cfg.parallel.share_prompts:
             rows = plan_rows(
@@ -263,7 +270,7 @@ class MegatronActor:
             rows = [[i] for i in range(len(seqs))]
         lengths = [prompt_lens[r[0]] + sum(seqs[i].response_len for i in r) for r in rows]
         per_rank, self.last_balance = balance_across_dp(lengths, self.dp_size, self.micro_batch_tokens, self.geometry)
-        return [self._micro_batch(seqs, [rows[k] for k in mb]) for mb in per_rank[self.dp_rank]]
+        return rows, per_rank
 
     @functools.cached_property
     def _flop_weights(self) -> tuple[float, float]:
@@ -277,6 +284,10 @@ class MegatronActor:
         """One micro-batch of ``rows`` (lists of indices into ``seqs``): the model inputs plus, for each response
         token (``sel_*``), the index of the hidden state that predicts it, its label, sequence, response offset, old
         and rollout logprobs, advantage and loss mask."""
+        if any(getattr(seqs[i], "remote", False) for r in rows for i in r):
+            raise RuntimeError(
+                "a micro-batch of this DP rank holds a sequence of another rank's share (actor/shares.py)"
+            )
         if self.geometry.layout == "padded":
             return self._shared_prompt_micro_batch(seqs, rows)
         indices = [i for r in rows for i in r]
@@ -417,13 +428,9 @@ class MegatronActor:
         logprobs are π_old exactly (ratio 1, as verl and TRL do) and no separate pass is needed. Afterwards every
         sequence holds the ``old_logprobs`` (and, where computed here, the ``entropy``) the step used."""
         a = self.cfg.algo
-        minis = split_mini_batches(len(seqs), self.cfg.num_updates)
-        first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
-            seqs[i].old_logprobs is None for i in minis[0]
-        )
+        minis, first_from_forward, missing_idx = self.step_plan(seqs)
         t0 = time.perf_counter()
-        missing = [s for k, rng in enumerate(minis) for s in (seqs[i] for i in rng)
-                   if s.old_logprobs is None and not (first_from_forward and k == 0)]  # fmt: skip
+        missing = [seqs[i] for i in missing_idx]
         if missing:
             for s, lp, ent in zip(missing, *self.compute_logprobs(missing, with_entropy=True)):
                 s.old_logprobs, s.entropy = lp, ent
@@ -490,6 +497,17 @@ class MegatronActor:
         metrics["time/old_logprobs_s"] = old_seconds
         metrics["train/old_logprob_pass_seqs"] = float(len(missing))
         return metrics
+
+    def step_plan(self, seqs: list[Sequence]) -> tuple[list[range], bool, list[int]]:
+        """(the mini-batches, whether the first takes π_old from its training forward, the indices of the sequences
+        whose π_old a separate pass computes first): what ``train_step`` runs, also read by ``actor/shares.py``."""
+        minis = split_mini_batches(len(seqs), self.cfg.num_updates)
+        first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
+            seqs[i].old_logprobs is None for i in minis[0]
+        )
+        missing = [i for k, rng in enumerate(minis) for i in rng
+                   if seqs[i].old_logprobs is None and not (first_from_forward and k == 0)]  # fmt: skip
+        return minis, first_from_forward, missing
 
     def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule

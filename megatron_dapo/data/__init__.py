@@ -5,13 +5,13 @@ from megatron_dapo.data.dataset import (
     PromptDataset,
     PromptItem,
     PromptIterator,
-    build_prompt_datasets,
     check_row,
     load_parquet_rows,
     prompt_key,
     validate_rows,
     write_parquet_atomic,
 )
+from megatron_dapo.data.sources import build_eval_datasets, build_prompt_datasets
 from megatron_dapo.data.synthetic import (
     add2_splits,
     make_add2_datasets,
@@ -28,6 +28,7 @@ __all__ = [
     "PromptItem",
     "PromptIterator",
     "add2_splits",
+    "build_eval_datasets",
     "build_prompt_datasets",
     "check_row",
     "load_parquet_rows",

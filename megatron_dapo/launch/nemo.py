@@ -32,7 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from megatron_dapo.launch.slurm import LaunchError
+from megatron_dapo.launch.slurm_env import LaunchError
 
 
 def _nemo_run():

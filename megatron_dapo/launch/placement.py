@@ -64,6 +64,20 @@ class Placement:
     rollout_nodes: int
     engines: tuple[Engine, ...] = field(default=())
     routes: tuple[SyncRoute, ...] = field(default=())
+    ranks_per_node: int = 0  # trainer ranks per node; 0 = one per GPU (the colocated contract)
+
+    @property
+    def slots(self) -> int:
+        return self.ranks_per_node or self.gpus_per_node
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.gpus_per_node // self.rollout_tp
+
+    @property
+    def pp_spans_nodes(self) -> bool:
+        """Pipeline stages live on different nodes: the exchange before a sync crosses nodes."""
+        return len({self.coords(r)["pp"] for r in range(self.slots)}) < self.pp
 
     @property
     def train_nodes(self) -> int:
@@ -71,7 +85,7 @@ class Placement:
 
     @property
     def world(self) -> int:
-        return self.train_nodes * self.gpus_per_node
+        return self.train_nodes * self.slots
 
     @property
     def dp(self) -> int:
@@ -83,10 +97,10 @@ class Placement:
         return self.pp > 1
 
     def rank(self, node: int, gpu: int) -> int:
-        return node * self.gpus_per_node + gpu
+        return node * self.slots + gpu
 
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return rank // self.slots
 
     def coords(self, rank: int) -> dict[str, int]:
         """Megatron's (tp, cp, dp, pp) ranks of a global rank (tensor fastest, then context, data, pipeline)."""
@@ -106,7 +120,7 @@ class Placement:
                         for e in self.engines],
             "routes": [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
                         "transport": r.transport} for r in self.routes],
-            "pp_exchange": self.pp_exchange,
+            "pp_exchange": self.pp_exchange, "pp_spans_nodes": self.pp_spans_nodes,
         }  # fmt: skip
 
     def explain(self, node_names: list[str] | None = None) -> str:
@@ -135,9 +149,12 @@ class Placement:
 
 def make_placement(
     nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, rollout_tp: int, colocated: bool = True,
-    rollout_nodes: int = 0,
+    rollout_nodes: int = 0, ranks_per_node: int = 0,
 ) -> Placement:  # fmt: skip
-    """Engines and sync routes for the cluster (see the module docstring); errors name the setting."""
+    """Engines and sync routes for the cluster (see the module docstring); errors name the setting.
+
+    ``ranks_per_node`` other than the GPU count (CPU runs, emulated nodes) splits a node's ranks evenly over its
+    engines; the real colocated contract is one rank per GPU."""
     if gpus_per_node < 1 or nodes < 1:
         raise PlacementError(f"cluster.nodes = {nodes}, cluster.gpus_per_node = {gpus_per_node}: must be >= 1")
     if rollout_tp < 1 or gpus_per_node % rollout_tp:
@@ -150,7 +167,10 @@ def make_placement(
             f"cluster.rollout_nodes = {rollout_nodes}: disaggregated needs 0 < rollout_nodes < {nodes}"
         )
     train_nodes = nodes if colocated else nodes - rollout_nodes
-    world = train_nodes * gpus_per_node
+    slots = ranks_per_node or gpus_per_node
+    if slots % (gpus_per_node // rollout_tp):
+        raise PlacementError(f"{slots} trainer ranks per node cannot feed {gpus_per_node // rollout_tp} engines evenly")
+    world = train_nodes * slots
     if world % (tp * pp * cp):
         raise PlacementError(
             f"parallel.tp × pp × cp = {tp}×{pp}×{cp}: must divide the {world} training GPUs "
@@ -161,11 +181,15 @@ def make_placement(
     engines = tuple(
         Engine(k * per_node + j, n, j * rollout_tp, rollout_tp) for k, n in enumerate(serving) for j in range(per_node)
     )
-    p = Placement(nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines)
+    p = Placement(nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines, (), ranks_per_node)
     if colocated:
+        share = slots // per_node  # = rollout_tp with one rank per GPU: the ranks on the engine's GPUs
         routes = tuple(
-            SyncRoute(e.index, e.node, tuple(p.rank(e.node, g) for g in e.gpus), "cuda_ipc") for e in engines
-        )
+            SyncRoute(e.index, e.node, tuple(p.rank(e.node, e.base_gpu_id // rollout_tp * share + i)
+                                             for i in range(share)), "cuda_ipc")
+            for e in engines
+        )  # fmt: skip
     else:
         routes = tuple(SyncRoute(e.index, e.node, (0,), "nccl") for e in engines)
-    return Placement(nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines, routes)
+    return Placement(nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines, routes,
+                     ranks_per_node)  # fmt: skip

@@ -25,13 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,7 +38,16 @@ from megatron_dapo.config import (
     load_arch,
     load_config,
 )
-from megatron_dapo.launch.health import health_timeout_s, progress
+from megatron_dapo.launch.health import health_timeout_s
+from megatron_dapo.launch.layout import (
+    check_fits,
+    describe_engines,
+    describe_memory,
+    describe_sync,
+    layout_memory,
+    memory_dict,
+)
+from megatron_dapo.launch.placement import PlacementError, make_placement
 from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this module's API since it began)
     LaunchError,
     _int_env,
@@ -53,9 +57,9 @@ from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this modul
     rank_exec,
     torch_env_from_slurm,
 )
-from megatron_dapo.launch.stop import StopRelay, allocation_name, requeue
+from megatron_dapo.launch.stop import allocation_name, requeue
+from megatron_dapo.launch.supervise import Supervisor, http_ok  # noqa: F401  (this module's API since it began)
 from megatron_dapo.ports import JobPorts, find_collisions
-from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, new_api_key, write_args_file
 from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -77,6 +81,7 @@ class Step:
     srun: list[str]  # the full command line
     log: str  # the tasks' output (srun --output; %t = task rank)
     url: str | None = None  # server base URL (health at url + "/health")
+    engine: dict | None = None  # a server's engine: index, node, base_gpu_id, tp, port, the trainer ranks feeding it
 
 
 @dataclass
@@ -107,6 +112,9 @@ class LaunchPlan:
     steps: int = 0  # train.steps
     stop_file: str = ""  # $DAPO_STOP_FILE of this allocation (launch/stop.py)
     port_base: int = 0  # the job's port block (ports.py)
+    layout: dict = field(default_factory=dict)  # GPU: placement.Placement.to_dict() (engines, sync routes)
+    memory: dict = field(default_factory=dict)  # GPU: each phase's predicted peak (launch/layout.py)
+    layout_text: list[str] = field(default_factory=list)  # the engines, the sync plan, the memory, as describe() shows
     server_args_file: str = ""  # the servers' --config file (the API key, mode 0600), written when the job starts
 
     def roles(self) -> dict[str, list[str]]:
@@ -126,7 +134,9 @@ class LaunchPlan:
             f"{len(self.train_nodes)} train nodes x {self.tasks_per_node} ranks)",
             "nodes:",
         ]
-        by_node = {s.nodes[0]: s for s in self.servers}
+        by_node: dict[str, list[Step]] = {}
+        for s in self.servers:
+            by_node.setdefault(s.nodes[0], []).append(s)
         for i, node in enumerate(self.nodes):
             roles = []
             if node in self.train_nodes:
@@ -134,11 +144,12 @@ class LaunchPlan:
                 roles.append(
                     f"train ranks {k}-{k + self.tasks_per_node - 1}" if self.tasks_per_node > 1 else f"train rank {k}"
                 )
-            if node in by_node:
-                roles.append(f"SGLang server {by_node[node].url}")
+            for s in by_node.get(node, []):
+                roles.append(f"SGLang server {s.url}")
             head = " (head: MASTER_ADDR)" if node == self.train_nodes[0] else ""
             lines.append(f"  {i:3d} {node}: {' + '.join(roles) or 'idle'}{head}")
         lines.append(f"rollout servers: {len(self.servers)}" + (" (SGLang)" if self.servers else ""))
+        lines += self.layout_text
         lines.append("env: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         lines.append("commands:")
         for s in [*self.servers, self.trainer]:
@@ -177,13 +188,14 @@ def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
 
 
 def sglang_server_command(
-    cfg: DapoConfig, python: str, port: int, colocated: bool, host: str, args_file: str
+    cfg: DapoConfig, python: str, port: int, colocated: bool, host: str, args_file: str, base_gpu_id: int = 0
 ) -> list[str]:
-    """One node's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``) behind the wrapper
+    """One engine's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``) behind the wrapper
     that redacts the API key from its output, listening on ``host``, the key in ``args_file`` (``--config``).
 
     No ``--dp-size``: SGLang's weight-update endpoints assert dp_size == 1, so a data-parallel server could never be
-    synced; the server uses ``rollout.sglang_tp`` GPUs of its node (one engine per TP group: issue 14)."""
+    synced; the server uses ``rollout.sglang_tp`` GPUs of its node from ``--base-gpu-id`` on (it sees all of them, as
+    in slime and NeMo-RL): one server per rollout-TP group (launch/placement.py)."""
     from megatron_dapo.rollout.sglang_server import PLATFORMS, server_args
 
     r = cfg.rollout
@@ -191,7 +203,8 @@ def sglang_server_command(
         raise ConfigError("model.hf_init = None: SGLang servers (rollout.engine = 'sglang') need an HF checkpoint dir")
     cmd = [python, "-m", "megatron_dapo.rollout.sglang_auth", python, "-m", "sglang.launch_server"]
     cmd += ["--model-path", cfg.model.hf_init, "--host", host, "--config", args_file]
-    cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--mem-fraction-static", str(r.mem_fraction)]
+    cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--base-gpu-id", str(base_gpu_id)]
+    cmd += ["--mem-fraction-static", str(r.mem_fraction)]
     cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
     if colocated:
         cmd.append("--enable-memory-saver")
@@ -249,6 +262,17 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     check_divisible(load_arch(cfg.model.arch), p.tp, p.pp, prefix="parallel.")  # before servers spend minutes loading
     if gpu and gpus % r.sglang_tp:
         raise ConfigError(f"rollout.sglang_tp = {r.sglang_tp} must divide the {gpus} GPUs per node")
+    pl, layout = None, None
+    if gpu:
+        try:
+            pl = make_placement(len(nodes), gpus, p.tp, p.pp, p.cp, r.sglang_tp, placement == "colocated",
+                                len(rollout_nodes) if placement == "disaggregated" else 0,
+                                0 if tasks == gpus else tasks)  # fmt: skip
+        except PlacementError as e:
+            raise ConfigError(str(e)) from e
+        if r.sglang_device == "cuda":  # the memory model is a GPU's; refuse before any step starts
+            layout = layout_memory(cfg, len(nodes), gpus)
+            check_fits(layout, cfg)
 
     addr = {n: node_address(n) if job_id else n for n in nodes}  # scontrol answers only inside a cluster
     master_addr = env.get("MASTER_ADDR") or addr[train_nodes[0]]
@@ -274,21 +298,27 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
 
     servers, seen_addr, port_uses = [], {}, {"rendezvous": (master_addr, master_port)}
     args_file = f"{log_dir}/sglang-args.yaml" if rollout_nodes else ""
-    for i, node in enumerate(rollout_nodes):
+    for e in pl.engines if pl and rollout_nodes else ():  # one server per rollout-TP group of GPUs (placement.py)
+        node = nodes[e.node]
         k = seen_addr[addr[node]] = seen_addr.get(addr[node], -1) + 1  # the k-th server on its host (address)
         sp = ports.server(k)
         port = c.server_port + k if c.server_port else sp.http
-        port_uses.update({f"server {node} (HTTP)": (addr[node], port), f"server {node}": (addr[node], sp.all()[1:])})
+        who = f"server {node} GPU {e.base_gpu_id}"
+        port_uses.update({f"{who} (HTTP)": (addr[node], port), who: (addr[node], sp.all()[1:])})
         if opts.server_cmd:
-            command = _fill(opts.server_cmd, python=py, node=node, port=port, index=i, log_dir=log_dir,
-                            args_file=args_file)  # fmt: skip
+            command = _fill(opts.server_cmd, python=py, node=node, port=port, index=e.index, gpu=e.base_gpu_id,
+                            log_dir=log_dir, args_file=args_file)  # fmt: skip
         else:
-            command = sglang_server_command(cfg, py, port, placement == "colocated", addr[node], args_file)
+            command = sglang_server_command(cfg, py, port, placement == "colocated", addr[node], args_file,
+                                            e.base_gpu_id)  # fmt: skip
             command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
-        name, log = f"dapo-server-{node}", f"{log_dir}/server-{node}.log"
+        tag = node if pl.engines_per_node == 1 else f"{node}-g{e.base_gpu_id}"
+        name, log = f"dapo-server-{tag}", f"{log_dir}/server-{tag}.log"
         export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in sglang_server_env(cfg).items())])
+        engine = {"index": e.index, "node": node, "base_gpu_id": e.base_gpu_id, "tp": e.tp, "port": port,
+                  "senders": list(pl.routes[e.index].senders)}  # fmt: skip
         servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + [export] + command, log,
-                            f"http://{addr[node]}:{port}"))  # fmt: skip
+                            f"http://{addr[node]}:{port}", engine))  # fmt: skip
 
     urls = [s.url for s in servers] or list(r.server_urls)
     train_args = ["--recipe", opts.recipe, *opts.overrides, "--resume", opts.resume]
@@ -314,8 +344,15 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                STOP_FILE_ENV: stop_file, **ports.env()}  # fmt: skip
     if urls:  # rank-exec derives DAPO_LOCAL_SERVER_URL (colocated: the server on the rank's own node) from these
         run_env.update(DAPO_SERVER_URLS=json.dumps(urls, separators=(",", ":")), DAPO_PLACEMENT=placement)
-        if servers:  # named in the trainer's errors about a server (engine restart limit)
+        if servers:  # in engine order: node-major, then base GPU (placement.py)
+            run_env["DAPO_ENGINES_PER_NODE"] = str(pl.engines_per_node)
+            # named in the trainer's errors about a server (engine restart limit)
             run_env["DAPO_SERVER_LOGS"] = json.dumps({s.url: s.log for s in servers}, separators=(",", ":"))
+    layout_text = []
+    if pl and servers:
+        layout_text = describe_engines(pl, nodes, [s.engine["port"] for s in servers]) + describe_sync(pl, nodes)
+    if layout:
+        layout_text += describe_memory(layout)
     if c.nccl_socket_ifname:
         run_env["NCCL_SOCKET_IFNAME"] = run_env["GLOO_SOCKET_IFNAME"] = c.nccl_socket_ifname
     if c.ib_hca:
@@ -328,178 +365,12 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         nodes=nodes, train_nodes=train_nodes, rollout_nodes=rollout_nodes, gpus_per_node=gpus, tasks_per_node=tasks,
         world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, dp=world // mp, master_addr=master_addr,
         master_port=master_port, env=run_env, log_dir=log_dir,
-        health_timeout_s=opts.health_timeout_s or health_timeout_s(cfg, len(servers) * gpus // r.sglang_tp),
+        health_timeout_s=opts.health_timeout_s or health_timeout_s(cfg, len(servers)),
         trainer=trainer, servers=servers, run_dir=str(Path(cfg.train.run_dir) / cfg.train.name),
         steps=cfg.train.steps, stop_file=stop_file, port_base=ports.base, server_args_file=args_file,
+        layout=pl.to_dict() if pl else {},
+        memory=memory_dict(layout) if layout else {}, layout_text=layout_text,
     )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Execution: start, wait for health, supervise, tear down
-
-
-def http_ok(url: str, timeout: float = 30.0, key: str = "") -> bool:
-    """GET ``url`` answers 200 within ``timeout`` (SGLang's /health runs a 1-token generation: seconds when busy);
-    with the job's ``key`` as every client call (SGLang leaves /health open, other servers may not)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster proxies must not see node URLs
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with opener.open(req, timeout=timeout) as resp:
-            return resp.status == 200
-    except (OSError, ValueError):
-        return False
-
-
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()[-n:]
-    except OSError:
-        return f"    ({path}: not written)"
-    return "\n".join("    " + line for line in lines) or f"    ({path}: empty)"
-
-
-class _Terminated(Exception):
-    pass
-
-
-class Supervisor:
-    """Runs a plan's steps as child srun processes; any failure tears every other step down at once."""
-
-    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None, report_s: float = 30,
-                 stop_before_s: float = 0):  # fmt: skip
-        self.plan, self.poll_s, self.grace_s, self.report_s = plan, poll_s, grace_s, report_s
-        self.out = out or sys.stderr
-        self.procs: list[tuple[Step, subprocess.Popen, str]] = []
-        self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg), stop_before_s)
-        self.api_key = ""  # the job's server key (run() makes it): in the trainer's environment only
-
-    def say(self, msg: str) -> None:
-        print(f"[dapo launch {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
-
-    def start(self, step: Step) -> None:
-        srun_log = f"{self.plan.log_dir}/{step.name}.srun.log"
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.plan.env
-        if step.role == "trainer" and self.api_key:
-            env[API_KEY_ENV] = self.api_key  # servers read theirs from the args file
-        with open(srun_log, "w") as f:
-            proc = subprocess.Popen(step.srun, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)  # fmt: skip
-        self.procs.append((step, proc, srun_log))
-        self.say(f"started {step.name} on {','.join(step.nodes)} (pid {proc.pid}); log {step.log}")
-
-    def check(self) -> int | None:
-        """Raise LaunchError if a step failed (or any server stopped); return the trainer's code when it ended."""
-        for step, proc, srun_log in self.procs:
-            rc = proc.poll()
-            if rc is None or (step.role == "trainer" and rc == 0):
-                continue
-            if step.role == "rollout":
-                raise LaunchError(
-                    f"rollout server on node {step.nodes[0]} (step {step.name}) exited with code {rc}"
-                    f"; log: {step.log}\n{_tail(step.log)}\n  srun: {srun_log}\n{_tail(srun_log, 5)}"
-                )
-            # "srun: error: n2: task 1: Exited with exit code 7"; the ranks srun then killed read "Terminated"
-            found = re.findall(
-                r"srun: error: (\S+): tasks? ([\d,-]+): (.*)", Path(srun_log).read_text(errors="replace")
-            )
-            found.sort(key=lambda f: "Exited with exit code" not in f[2])
-            node, ranks, why = found[0] if found else (",".join(step.nodes), "0", f"srun exited with code {rc}")
-            rank_log = step.log.replace("%t", re.split(r"[,-]", ranks)[0])
-            raise LaunchError(f"trainer (step {step.name}) failed on node {node}, rank {ranks}: {why} (srun exit "
-                              f"code {rc}); log: {rank_log}\n{_tail(rank_log)}\n  srun: {srun_log}\n"
-                              f"{_tail(srun_log, 5)}")  # fmt: skip
-        done = [proc.returncode for step, proc, _ in self.procs if step.role == "trainer" and proc.returncode == 0]
-        return 0 if done else None
-
-    def wait_healthy(self) -> None:
-        pending = {s.url for s in self.plan.servers}
-        start = time.monotonic()
-        deadline, report = start + self.plan.health_timeout_s, start + self.report_s
-        while pending:
-            self.check()
-            self.stop.poll()
-            if time.monotonic() > report:
-                report += self.report_s
-                waiting = [s for s in self.plan.servers if s.url in pending]
-                self.say(
-                    progress(waiting, len(self.plan.servers), time.monotonic() - start, self.plan.health_timeout_s)
-                )
-            for url in sorted(pending):
-                if http_ok(url + "/health", key=self.api_key):
-                    pending.discard(url)
-                    self.say(f"server {url} is healthy")
-            if pending and time.monotonic() > deadline:
-                names = [s.name for s in self.plan.servers if s.url in pending]
-                logs = [s.log for s in self.plan.servers if s.url in pending]
-                raise LaunchError(f"servers not healthy after {self.plan.health_timeout_s:.0f} s: {', '.join(names)} "
-                                  f"({', '.join(sorted(pending))}); logs: {', '.join(logs)}")  # fmt: skip
-            time.sleep(self.poll_s if pending else 0)
-
-    def teardown(self) -> None:
-        live = [(s, p) for s, p, _ in self.procs if p.poll() is None]
-        for step, proc in live:
-            self.say(f"stopping {step.name} (pid {proc.pid})")
-            proc.send_signal(signal.SIGTERM)  # srun forwards it to the step's tasks
-        deadline, killed = time.monotonic() + self.grace_s, set()
-        for step, proc in live:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.say(f"{step.name} did not stop within {self.grace_s:.0f} s: SIGKILL to its srun")
-                proc.kill()
-                proc.wait()
-                killed.add(step.name)
-        if killed and self.plan.job_id:
-            self._scancel_leftovers(killed)
-
-    def _scancel_leftovers(self, names: set[str]) -> None:
-        """Cancel steps of OUR job, with OUR step names, that outlived their srun (only after a SIGKILL)."""
-        try:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", str(self.plan.job_id), "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        for line in out.splitlines():
-            step_id, _, name = line.strip().partition(" ")
-            if name in names and step_id.startswith(f"{self.plan.job_id}."):
-                self.say(f"scancel {step_id} ({name})")
-                subprocess.run(["scancel", step_id], capture_output=True, timeout=10)
-
-    def run(self) -> int:
-        Path(self.plan.log_dir).mkdir(parents=True, exist_ok=True)
-        Path(self.plan.log_dir, "plan.json").write_text(json.dumps(self.plan.as_dict(), indent=1))
-
-        def on_signal(signum, _frame):
-            raise _Terminated(signal.Signals(signum).name)
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        old[signal.SIGUSR1] = self.stop.install()
-        try:
-            if self.plan.servers:
-                self.api_key = os.environ.get(API_KEY_ENV) or new_api_key()
-                write_args_file(self.plan.server_args_file, self.api_key)
-            for step in self.plan.servers:
-                self.start(step)
-            if self.plan.servers:
-                self.wait_healthy()
-            self.start(self.plan.trainer)
-            while self.check() is None:
-                self.stop.poll()
-                time.sleep(self.poll_s)
-            self.say(f"trainer finished; logs in {self.plan.log_dir}")
-            return self.stop.exit_code()
-        except LaunchError as e:
-            self.say(f"FAILED: {e}")
-            return 1
-        except _Terminated as e:
-            self.say(f"received {e}: stopping all steps")
-            return 143
-        finally:
-            self.teardown()
-            if self.plan.server_args_file:
-                Path(self.plan.server_args_file).unlink(missing_ok=True)
-            for s, handler in old.items():
-                signal.signal(s, handler)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -528,8 +399,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)")  # fmt: skip
     ap.add_argument("--nemo", action="store_true", help="submit through nemo-run instead (see launch/nemo.py)")
     test = ap.add_argument_group("testing and debugging (replace the real programs)")
-    test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {log_dir} "
-                      "{args_file}")  # fmt: skip
+    test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {gpu} "
+                      "{log_dir} {args_file}")  # fmt: skip
     test.add_argument(
         "--trainer-cmd", help="template for the per-rank trainer command: {python} {server_urls} {log_dir} {resume}"
     )

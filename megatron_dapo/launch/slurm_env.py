@@ -80,7 +80,7 @@ def node_address(node: str) -> str:
 
 def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
     """torchrun-style variables for one srun task: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_*;
-    plus DAPO_LOCAL_SERVER_URL (the SGLang server on this rank's node) when the launcher placed servers colocated."""
+    plus DAPO_LOCAL_SERVER_URL (the SGLang server on this rank's GPUs) when the launcher placed servers colocated."""
     env = dict(os.environ if env is None else env)
     if "SLURM_PROCID" not in env:
         raise LaunchError("rank-exec must run as an srun task (SLURM_PROCID is not set)")
@@ -99,8 +99,12 @@ def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
     ports = JobPorts.from_env(env) or JobPorts.for_job(env.get("SLURM_JOB_ID"))
     out["MASTER_PORT"] = env.get("MASTER_PORT") or str(ports.rendezvous)
     urls = json.loads(env.get("DAPO_SERVER_URLS") or "[]")
-    if env.get("DAPO_PLACEMENT") == "colocated" and node_rank < len(urls):
-        out["DAPO_LOCAL_SERVER_URL"] = urls[node_rank]  # for same-node weight sync (CUDA IPC)
+    # colocated: the engine on this rank's GPUs (engines in node-major order, DAPO_ENGINES_PER_NODE of them per node,
+    # each fed by an equal share of the node's ranks: launch/placement.py), for same-node weight sync (CUDA IPC)
+    per_engine = max(1, int(out["LOCAL_WORLD_SIZE"]) // int(env.get("DAPO_ENGINES_PER_NODE") or 1))
+    engine = node_rank * int(env.get("DAPO_ENGINES_PER_NODE") or 1) + int(out["LOCAL_RANK"]) // per_engine
+    if env.get("DAPO_PLACEMENT") == "colocated" and engine < len(urls):
+        out["DAPO_LOCAL_SERVER_URL"] = urls[engine]
     return out
 
 

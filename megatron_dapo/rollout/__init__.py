@@ -26,7 +26,7 @@ _LAZY = {
     "SGLangServer": "megatron_dapo.rollout.sglang_server",
     "WeightSync": "megatron_dapo.rollout.weight_sync",
     "SyncReport": "megatron_dapo.rollout.weight_sync",
-    "make_weight_sync": "megatron_dapo.rollout.weight_sync",
+    "make_weight_sync": "megatron_dapo.rollout.driver",
 }
 
 __all__ = [

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class SGLangEngine:
                     model_path,  # on a free port (cluster.server_port is the Slurm launcher's)
                     tp_size=r.sglang_tp,
                     mem_fraction=r.mem_fraction,
-                    memory_saver=r.colocate,
+                    memory_saver=r.colocate and r.sglang_device == "cuda",  # torch_memory_saver: CUDA only
                     dtype=r.dtype or cfg.model.dtype,
                     extra_args=server_args(cfg),
                     env=dict(kv.split("=", 1) for kv in r.sglang_env),
@@ -192,16 +193,33 @@ class SGLangEngine:
             futures = [ex.submit(http_call, s.url, path, body, timeout) for s in servers]
             return [f.result() for f in futures]
 
-    def sleep(self, tags: list[str] | None = None) -> None:
-        """Release GPU memory (servers need --enable-memory-saver, i.e. rollout.colocate)."""
+    def sleep(self, tags: list[str] | None = None, idle_timeout_s: float = 120.0) -> None:
+        """Release GPU memory (servers need --enable-memory-saver, i.e. rollout.colocate); no tags = all of it.
+        SGLang asserts the server is idle (an assertion in its scheduler: a busy server would die), so this first
+        waits until every worker has no running or waiting request (aborted requests drain in a moment)."""
+        self.wait_idle(idle_timeout_s)
         self.call_workers("/release_memory_occupation", T.ReleaseMemoryRequest(tags=tags).to_json())
+
+    def wait_idle(self, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
+        """Until every worker's /v1/loads shows no running and no waiting request; RolloutError naming the busy ones."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answers = self.call_workers("/v1/loads?include=core", None)
+            busy = [f"{s.url}: {load.get('num_running_reqs')} running, {load.get('num_waiting_reqs')} waiting"
+                    for s, ans in zip(self.servers, answers) for load in (ans or {}).get("loads", [])
+                    if load.get("num_running_reqs") or load.get("num_waiting_reqs")]  # fmt: skip
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise RolloutError(f"servers still busy after {timeout_s:.0f} s (release needs them idle): {busy}")
+            time.sleep(poll_s)
 
     def wake(self, tags: list[str] | None = None) -> None:
         self.call_workers("/resume_memory_occupation", T.ResumeMemoryRequest(tags=tags).to_json())
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Protocol method: a plain (unverified) update through safetensors on disk. The trainer uses
-        ``weight_sync.make_weight_sync`` for the configured transport with verification."""
+        ``driver.make_weight_sync`` for the configured transport with verification."""
         from megatron_dapo.rollout.sglang_sync import DiskSync
 
         DiskSync(self, verify="off").sync(buckets, version)

@@ -1,6 +1,6 @@
 """Verified weight sync from the actor (HF-named full tensors, bucketed) to the rollout engine: ONE interface.
 
-    weight_sync = make_weight_sync(cfg, engine)               # rollout.weight_sync: copy | tensor | distributed | disk
+    weight_sync = make_weight_sync(cfg, engine)               # rollout/driver.py; rollout.weight_sync: copy | tensor | distributed | disk
     report = weight_sync.sync(bridge.export(model), version)  # -> SyncReport(bytes, seconds, tensors, version, ...)
 
 Transports: ``copy`` (in-process, HF engine; here) and, for SGLang servers (``sglang_sync.py``), ``tensor``
@@ -37,7 +37,6 @@ __all__ = [
     "SyncReport",
     "WeightSync",
     "WeightSyncError",
-    "make_weight_sync",
     "tensor_checksum",
     "write_safetensors_dir",
 ]
@@ -276,33 +275,3 @@ def write_safetensors_dir(directory: str | Path, buckets: Iterable[Bucket], dtyp
         save_file(tensors, str(directory / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
         count += 1
     return count
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
-    """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``."""
-    r = cfg.rollout
-    kind, verify = r.weight_sync, r.verify_sync
-    if kind == "copy":
-        return CopySync(engine, verify)
-    from megatron_dapo.config import ConfigError, load_arch
-    from megatron_dapo.rollout import sglang_sync
-
-    classes = {
-        "disk": sglang_sync.DiskSync,
-        "tensor": sglang_sync.TensorSync,
-        "distributed": sglang_sync.DistributedSync,
-    }
-    if kind not in classes:
-        raise ConfigError(f"rollout.weight_sync = {kind!r}: expected copy, tensor, distributed or disk")
-    kwargs = {"head_dim": load_arch(cfg.model.arch).head_dim}
-    if kind == "disk":
-        kwargs["directory"] = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
-    if kind == "distributed":
-        from megatron_dapo.ports import JobPorts
-
-        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
-        kwargs["master_port"] = job_ports.weight_sync if job_ports else None
-    return classes[kind](engine, verify, **kwargs)

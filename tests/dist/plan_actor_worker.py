@@ -1,6 +1,6 @@
 """Per-rank parameter / gradient / optimizer bytes of a real MegatronActor after one update (for the planner test).
 
-    torchrun --nproc-per-node TP*PP tests/dist/plan_actor_worker.py OUT.json ARCH.yaml TP PP
+torchrun --nproc-per-node TP*PP tests/dist/plan_actor_worker.py OUT.json ARCH.yaml TP PP
 """
 
 import json
@@ -25,7 +25,10 @@ def main(out: str, arch: str, tp: int, pp: int) -> None:
     grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for m in actor.model for b in m.buffers)
     opts = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
     opt_bytes = sum(
-        t.numel() * t.element_size() for o in opts for st in o.optimizer.state.values() for t in st.values()
+        t.numel() * t.element_size()
+        for o in opts
+        for st in o.optimizer.state.values()
+        for t in st.values()
         if torch.is_tensor(t) and t.dim() > 0
     )
     row = {

@@ -31,10 +31,10 @@ def main(out: str, hf_dir: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor, Sequence
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.driver import broadcast
     from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
     from megatron_dapo.rollout.hf_engine import HFEngine
     from megatron_dapo.rollout.weight_sync import CopySync
-    from megatron_dapo.trainer import broadcast
 
     cfg = load_config("demo_cpu", ["parallel.tp=2", "train.batch_prompts=4", "train.mini_batch_prompts=2"])
     actor = MegatronActor(cfg)
@@ -57,8 +57,10 @@ def main(out: str, hf_dir: str) -> None:
     sync_now(0)
     # 1) rollout logprobs of sampled tokens vs the actor's recomputed logprobs of the same sequences
     samples = broadcast(engine.generate(prompts, sampled, n=2) if engine else None)
-    seqs = [Sequence(torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids),
-                     advantage=float(i % 2) - 0.5) for i, s in enumerate(samples)]
+    seqs = [
+        Sequence(torch.tensor(s.prompt_ids + s.response_ids), len(s.prompt_ids), advantage=float(i % 2) - 0.5)
+        for i, s in enumerate(samples)
+    ]
     actor_lp = actor.compute_logprobs(seqs)
     gaps = torch.cat([(torch.tensor(s.logprobs) - a).abs() for s, a in zip(samples, actor_lp)])
     result["gap_mean"], result["gap_max"] = float(gaps.mean()), float(gaps.max())
@@ -71,7 +73,9 @@ def main(out: str, hf_dir: str) -> None:
     actor.temperature = 1.0
     untempered = actor.compute_logprobs(hot_seqs)
     result["hot_gap"] = max(float((torch.tensor(s.logprobs) - a).abs().max()) for s, a in zip(hot_samples, hot_lp))
-    result["hot_vs_t1"] = max(float((torch.tensor(s.logprobs) - a).abs().max()) for s, a in zip(hot_samples, untempered))
+    result["hot_vs_t1"] = max(
+        float((torch.tensor(s.logprobs) - a).abs().max()) for s, a in zip(hot_samples, untempered)
+    )
     # 2) a train step, a sync, and the engine vs a fresh engine loaded from the exported HF checkpoint
     for s, lp in zip(seqs, actor_lp):
         s.old_logprobs = lp

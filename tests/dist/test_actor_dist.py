@@ -57,8 +57,9 @@ def test_packing_and_micro_batch_split_do_not_change_the_step(base):
     outs = []
     for budget in (40, 64, 4096):
         out = base / f"pack_{budget}.pt"
-        run_torchrun(1, WORKER, "train", out, ADAM_EPS, f"parallel.max_tokens_per_micro_batch={budget}",
-                     f"load={base / 'ckpt0'}")
+        run_torchrun(
+            1, WORKER, "train", out, ADAM_EPS, f"parallel.max_tokens_per_micro_batch={budget}", f"load={base / 'ckpt0'}"
+        )
         outs.append(torch.load(out))
     for other in outs[1:]:
         assert other["metrics"]["train/loss"] == pytest.approx(outs[0]["metrics"]["train/loss"], abs=1e-6)
@@ -114,8 +115,15 @@ def test_shared_prompt_rows_equal_one_row_per_sequence(base):
 
 
 def test_save_tp2_load_tp1_equal_logprobs(base):
-    run_torchrun(2, WORKER, "train", base / "tp2_train.pt", "parallel.tp=2", f"load={base / 'ckpt0'}",
-                 f"save={base / 'ckpt_tp2'}")
+    run_torchrun(
+        2,
+        WORKER,
+        "train",
+        base / "tp2_train.pt",
+        "parallel.tp=2",
+        f"load={base / 'ckpt0'}",
+        f"save={base / 'ckpt_tp2'}",
+    )
     run_torchrun(1, WORKER, "logprobs", base / "tp1_from_tp2.pt", f"load={base / 'ckpt_tp2'}")
     a = torch.load(base / "tp2_train.pt")["logprobs"]
     b = torch.load(base / "tp1_from_tp2.pt")

@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 def _untied(tmp_path) -> Path:
     path = tmp_path / "tiny-untied.yaml"
     text = (REPO / "model_configs" / "tiny.yaml").read_text()
-    path.write_text(text.replace("tie_embeddings: true", "tie_embeddings: false").replace("name: tiny", "name: tiny-untied"))
+    path.write_text(
+        text.replace("tie_embeddings: true", "tie_embeddings: false").replace("name: tiny", "name: tiny-untied")
+    )
     return path
 
 

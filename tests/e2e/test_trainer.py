@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import AIME, REPO, make_char_hf_tokenizer, torchrun_cmd
+from tests.helpers import AIME, REPO, make_char_hf_tokenizer, repo_pythonpath, torchrun_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ KEYS = [
     "time/train_s",
     "time/sync_s",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": repo_pythonpath()}
 
 
 def dapo(*args, nproc=1, timeout=600, check=True):

@@ -25,6 +25,8 @@ from tests.helpers import REPO
 from tests.slurm.conftest import HERE, TEST_RECIPE_32B, free_port, process_running
 
 R32 = str(TEST_RECIPE_32B)
+# one TP8 engine on one node; a 32B trainer on 8 GPUs is predicted not to fit, which these tests do not run
+ONE_NODE = ("parallel.cp=1", "rollout.sglang_tp=8", "cluster.memory_check=false")
 NO_SLURM_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
 
 
@@ -100,19 +102,24 @@ def test_colocated_plan_16_nodes():
     assert (plan.gpus_per_node, plan.tasks_per_node, plan.world_size) == (8, 8, 128)
     assert (plan.tp, plan.pp, plan.cp, plan.dp) == (8, 2, 2, 128 // (8 * 2 * 2))
     assert plan.train_nodes == plan.rollout_nodes == plan.nodes
-    assert [s.nodes for s in plan.servers] == [[n] for n in plan.nodes]
-    for s in plan.servers:
+    # one SGLang server per rollout-TP group of GPUs: two TP4 engines per node, GPUs 0-3 and 4-7
+    assert [s.nodes for s in plan.servers] == [[n] for n in plan.nodes for _ in range(2)]
+    for i, s in enumerate(plan.servers):
         cmd = " ".join(s.command)
+        base, port = (0, 10008) if i % 2 == 0 else (4, 10048)
         assert "-m sglang.launch_server --model-path /models/Qwen2.5-32B" in cmd
         assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--enable-memory-saver" in cmd  # SGLang: dp 1
+        assert f"--base-gpu-id {base}" in cmd and s.engine["base_gpu_id"] == base
+        assert s.engine["senders"] == list(range(i * 4, i * 4 + 4))  # the trainer ranks on the engine's GPUs
         assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s.srun  # tempered logprobs, the engine convention
         assert "--enable-deterministic-inference" in cmd  # else SGLang ignores sampling_seed
-        assert "--port 10008" in cmd and "--nccl-port 10009" in cmd and "--mem-fraction-static 0.6" in cmd
+        assert f"--port {port}" in cmd and f"--nccl-port {port + 1}" in cmd and "--mem-fraction-static 0.6" in cmd
         # locked down: the node's address (dry run: its name), the key in a file, the output redacted by the wrapper
         assert f"--host {s.nodes[0]} " in cmd and "0.0.0.0" not in cmd and "api-key" not in cmd
         assert f"--config {plan.server_args_file}" in cmd and plan.server_args_file.endswith("/sglang-args.yaml")
         assert s.command[1:4] == ["-m", "megatron_dapo.rollout.sglang_auth", s.command[0]]
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
+        assert s.name == f"dapo-server-{s.nodes[0]}-g{base}" and s.log.endswith(f"server-{s.nodes[0]}-g{base}.log")
     t = plan.trainer.srun
     assert "--nodes=16" in t and "--ntasks=128" in t and "--ntasks-per-node=8" in t and "--gpus-per-node=8" in t
     i = t.index("rank-exec")
@@ -120,7 +127,9 @@ def test_colocated_plan_16_nodes():
     # the trainer is told where the servers are, in a form the config parser reads back
     url_arg = [a for a in t if a.startswith("rollout.server_urls=")]
     cfg = load_config(R32, ["parallel.pp=2", url_arg[0]])
-    assert cfg.rollout.server_urls == [s.url for s in plan.servers] == [f"http://{n}:10008" for n in plan.nodes]
+    assert cfg.rollout.server_urls == [s.url for s in plan.servers]
+    assert [s.url for s in plan.servers] == [f"http://{n}:{p}" for n in plan.nodes for p in (10008, 10048)]
+    assert plan.env["DAPO_ENGINES_PER_NODE"] == "2" and plan.layout["pp_spans_nodes"]
     assert plan.env["MASTER_ADDR"] == "node1" and plan.env["MASTER_PORT"] == "10000"  # dry run: block 0
     # the trainer's errors about a server (restart limit) name the launcher's log of that server
     assert json.loads(plan.env["DAPO_SERVER_LOGS"]) == {s.url: s.log for s in plan.servers}
@@ -185,24 +194,25 @@ def test_external_servers_are_not_started():
 def test_plan_inside_an_allocation():
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_GPUS_ON_NODE": "4",
            "SLURM_CPUS_ON_NODE": "64", "SLURM_CONF": "/nonexistent/slurm.conf"}  # fmt: skip
-    plan = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.tp=4", "parallel.cp=1"]), env=env)
+    small = ["parallel.tp=4", "parallel.cp=1", "cluster.memory_check=false"]  # 32B on 12 GPUs: predicted not to fit
+    plan = build_plan(LaunchOptions(recipe=R32, overrides=small), env=env)
     assert plan.nodes == ["gpu01", "gpu02", "gpu03"] and plan.job_id == "4242"
     assert (plan.gpus_per_node, plan.world_size, plan.dp) == (4, 12, 3)
     assert plan.master_port == 10000 + 4242 % 55 * 400 and plan.master_addr == "gpu01"
     assert "--cpus-per-task=16" in plan.trainer.srun and "--cpus-per-task=64" in plan.servers[0].srun
     assert plan.log_dir == "runs/test-32b/slurm-4242"
     # the second allocation of a requeued job: its own logs and stop file
-    requeued = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.tp=4", "parallel.cp=1"]),
+    requeued = build_plan(LaunchOptions(recipe=R32, overrides=small),
                           env={**env, "SLURM_RESTART_COUNT": "1"})  # fmt: skip
     assert requeued.log_dir == "runs/test-32b/slurm-4242-r1"
     assert requeued.env["DAPO_STOP_FILE"] == "runs/test-32b/slurm-4242-r1/stop-request"
     # sbatch's --gpus-per-node=h100:8 form, and a subset of the nodes
     env2 = {**env, "SLURM_GPUS_PER_NODE": "h100:8"}
     del env2["SLURM_GPUS_ON_NODE"]
-    plan = build_plan(LaunchOptions(recipe=R32, nodes=2), env=env2)
+    plan = build_plan(LaunchOptions(recipe=R32, nodes=2, overrides=["cluster.memory_check=false"]), env=env2)
     assert plan.nodes == ["gpu01", "gpu02"] and plan.gpus_per_node == 8
     with pytest.raises(LaunchError, match="only 3 nodes"):
-        build_plan(LaunchOptions(recipe=R32, nodes=4), env=env)
+        build_plan(LaunchOptions(recipe=R32, nodes=4, overrides=small), env=env)
 
 
 def test_container_and_network_settings():
@@ -228,7 +238,7 @@ def test_dry_run_cli_outside_slurm():
     out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2")
     assert out.returncode == 0, out.stderr
     assert "model qwen2.5-32b" in out.stdout and "TP=8 PP=2 CP=2 DP=4" in out.stdout
-    assert out.stdout.count("-m sglang.launch_server") == 16
+    assert out.stdout.count("-m sglang.launch_server") == 32
     assert "--ntasks=128" in out.stdout
     js = json.loads(_cli("--recipe", R32, "--dry-run", "--json", "--nodes", "2").stdout)
     assert js["roles"] == {"node1": ["train", "rollout"], "node2": ["train", "rollout"]}
@@ -256,7 +266,7 @@ def test_supervisor_fails_fast_and_tears_down(tmp_path, python):
     port = free_port()
     pids = tmp_path / "pids"
     server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --pid-dir {pids}"
-    plan = plan_for("parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"),
+    plan = plan_for(*ONE_NODE, f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"),
                     server_cmd=server + " --fail-on node1 --fail-after 1.5", trainer_cmd="{python} -c pass")  # fmt: skip
     plan.health_timeout_s = 30
     for step in plan.servers:  # no srun here: run the step's program directly, reach it on loopback
@@ -287,7 +297,7 @@ def test_supervisor_success_stops_servers(tmp_path, python):
     pids = tmp_path / "pids"
     server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --pid-dir {pids}"
     plan = plan_for(
-        "parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server
+        *ONE_NODE, f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server
     )
     plan.servers[0].srun, plan.servers[0].url = plan.servers[0].command, f"http://127.0.0.1:{port}"
     # the trainer: the servers answer; the job's key is in its environment and, alone, in the 0600 args file
@@ -352,3 +362,67 @@ def test_supervisor_names_the_rank_that_failed_first(tmp_path):
     text = "\n".join(lines)
     assert "failed on node node2, rank 1: Exited with exit code 7 (srun exit code 143)" in text
     assert f"log: {tmp_path}/logs/trainer-1.log" in text
+
+
+QWEN32B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+                  "intermediate_size": 27648, "num_attention_heads": 40, "num_key_value_heads": 8,
+                  "num_hidden_layers": 64, "vocab_size": 152064, "max_position_embeddings": 131072,
+                  "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_dapo_32b_dry_run_shows_engines_sync_plan_and_phase_memory(tmp_path):
+    """Issue 14: `dapo launch --recipe dapo_32b --dry-run --nodes 16 model.hf_init=DIR` shows dp=1 engines with their
+    base GPU, the trainer ranks on their GPUs, the per-node sync plan with the PP exchange, and both phases < 80 GiB."""
+    hf = tmp_path / "Qwen2.5-32B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN32B_CONFIG))
+    out = _cli("--recipe", "dapo_32b", "--dry-run", "--nodes", "16", f"model.hf_init={hf}")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "rollout engines: 32 SGLang servers, TP4 dp 1" in text and "2 per node" in text
+    assert text.count("-m sglang.launch_server") == 32 and "--dp-size" not in text
+    assert "engine   0  node1        GPUs 0-3 (--base-gpu-id 0, --tp-size 4)  port 10008  shares its GPUs with " \
+           "trainer ranks 0-3 (DP [0], PP stage [0])" in text  # fmt: skip
+    assert "engine  31  node16       GPUs 4-7 (--base-gpu-id 4, --tp-size 4)  port 10048  shares its GPUs with " \
+           "trainer ranks 124-127 (DP [7], PP stage [1])" in text  # fmt: skip
+    assert "  node9: engine 16 <- ranks 64-67 (rank 64 posts); engine 17 <- ranks 68-71 (rank 68 posts)" in text
+    assert "PP exchange first: PP2 stages sit on different nodes" in text
+    js = json.loads(_cli("--recipe", "dapo_32b", "--dry-run", "--json", "--nodes", "16", f"model.hf_init={hf}").stdout)
+    for route in js["layout"]["routes"]:  # every engine is fed only by ranks of its own node
+        assert {r // 8 for r in route["senders"]} == {route["node"]} and route["transport"] == "cuda_ipc"
+    assert [s["engine"]["base_gpu_id"] for s in js["servers"]] == [0, 4] * 16
+    phases = js["memory"]["phases"]
+    assert set(phases) == {"rollout", "train"} and js["memory"]["fits"]
+    assert all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
+    rollout = phases["rollout"]["terms_gib"]
+    assert rollout["trainer grads"] == rollout["trainer optimizer"] == 0  # offloaded to the host for the rollout
+    assert 52 < rollout["SGLang weights"] + rollout["SGLang KV cache"] < 53  # mem_fraction 0.66 x 80 GiB
+    assert phases["train"]["terms_gib"]["SGLang (released)"] == 2.0
+    for phase, peak in (("rollout", phases["rollout"]["peak_gib"]), ("train", phases["train"]["peak_gib"])):
+        assert f"  {phase} phase: " in text and f"= {peak:.1f} GiB: fits" in text
+
+
+@pytest.mark.parametrize(
+    "override, phase",
+    [("rollout.mem_fraction=0.9", "rollout phase: peak 80.8 GiB > 76.0 GiB usable"),
+     ("parallel.max_tokens_per_micro_batch=45056", "train phase: peak 99.0 GiB > 76.0 GiB usable")],
+)  # fmt: skip
+def test_layout_predicted_not_to_fit_is_refused_before_any_step(override, phase, tmp_path):
+    with pytest.raises(LaunchError, match="predicted not to fit") as err:
+        plan_for("parallel.pp=2", "parallel.cp=1", override, nodes=16)
+    assert phase in str(err.value) and "cluster.memory_check=false" in str(err.value)
+    plan = plan_for("parallel.pp=2", "parallel.cp=1", override, "cluster.memory_check=false", nodes=16)
+    assert not plan.memory["fits"] and len(plan.servers) == 32
+    out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2", "parallel.cp=1", override)
+    assert out.returncode == 2 and phase in out.stderr and out.stdout == ""
+
+
+def test_each_rank_learns_the_engine_on_its_own_gpus():
+    urls = [f"http://n{n}:{p}" for n in (1, 2) for p in (1, 2)]
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)", "MASTER_ADDR": "n1",
+           "MASTER_PORT": "1", "DAPO_SERVER_URLS": json.dumps(urls), "DAPO_PLACEMENT": "colocated",
+           "DAPO_ENGINES_PER_NODE": "2"}  # fmt: skip
+    seen = [torch_env_from_slurm({**env, "SLURM_NODEID": str(r // 8), "SLURM_LOCALID": str(r % 8)})
+            for r in range(16)]  # fmt: skip
+    assert [s["DAPO_LOCAL_SERVER_URL"] for s in seen] == [u for u in urls for _ in range(4)]

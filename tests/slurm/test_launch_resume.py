@@ -28,6 +28,10 @@ def plan_for(*overrides: str, env: dict | None = None, **opts):
     return build_plan(LaunchOptions(recipe=R32, overrides=list(overrides), **opts), env=env or {}, dry_run=True)
 
 
+# one TP8 engine per node; these 32B layouts on 1-2 nodes are predicted not to fit (never run here)
+ONE_ENGINE = ("parallel.cp=1", "rollout.sglang_tp=8", "cluster.memory_check=false")
+
+
 def test_trainer_resumes_by_default():
     for resume, opts in (("auto", {}), ("none", {"resume": "none"})):
         command = plan_for(nodes=2, **opts).trainer.command
@@ -40,7 +44,7 @@ def test_two_jobs_on_the_same_nodes_use_disjoint_ports(monkeypatch):
     env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_GPUS_ON_NODE": "8"}
     used = []
     for job in ("4242", "4243"):
-        plan = build_plan(LaunchOptions(recipe=R32, overrides=["parallel.cp=1"]), env={**env, "SLURM_JOB_ID": job})
+        plan = build_plan(LaunchOptions(recipe=R32, overrides=ONE_ENGINE), env={**env, "SLURM_JOB_ID": job})
         ports = JobPorts(plan.port_base)
         assert plan.env["DAPO_PORT_BASE"] == str(ports.base) and plan.master_port == ports.rendezvous
         assert all(s.url.endswith(f":{ports.server(0).http}") for s in plan.servers)
@@ -51,8 +55,8 @@ def test_two_jobs_on_the_same_nodes_use_disjoint_ports(monkeypatch):
 
 def test_pinned_ports_that_collide_are_refused():
     port = free_port()
-    with pytest.raises(LaunchError, match=rf"server node1 \(HTTP\) and rendezvous both use port {port} on node1"):
-        plan_for("parallel.cp=1", f"cluster.master_port={port}", f"cluster.server_port={port}", nodes=1)
+    with pytest.raises(LaunchError, match=rf"server node1 GPU 0 \(HTTP\) and rendezvous both use port {port} on node1"):
+        plan_for(*ONE_ENGINE, f"cluster.master_port={port}", f"cluster.server_port={port}", nodes=1)
     assert find_collisions({"a": ("n1", port), "b": ("n2", port)}) == []  # other hosts: no clash
 
 
@@ -60,7 +64,7 @@ def test_health_wait_scales_with_model_and_servers():
     cfg = load_config(R32)
     weights = total_params(load_arch("qwen2.5-32b")) * 2  # bf16
     assert weights > 60e9
-    # 16 nodes, one server each with DP = 8 GPUs / TP 4 = 2 replicas reading the whole model
+    # 16 nodes, two TP4 servers each, every one reading the whole model
     plan = plan_for(nodes=16)
     assert plan.health_timeout_s == pytest.approx(600 + 2 * 32 * weights / 2e9) == health_timeout_s(cfg, 32)
     assert plan.health_timeout_s > 1500  # was a flat 600 s
@@ -127,7 +131,7 @@ def test_signal_file_of_the_batch_shell_is_relayed(tmp_path, monkeypatch):
 def test_health_wait_reports_progress(tmp_path, python):
     port = free_port()
     server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --load-s 1.5"
-    plan = plan_for("parallel.cp=1", f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"),
+    plan = plan_for(*ONE_ENGINE, f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"),
                     server_cmd=server)  # fmt: skip
     step = plan.servers[0]  # no srun here: the program runs as the step, its output goes to the step's srun log
     step.srun, step.url, step.log = step.command, f"http://127.0.0.1:{port}", f"{plan.log_dir}/{step.name}.srun.log"

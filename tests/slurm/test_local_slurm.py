@@ -92,7 +92,9 @@ def test_sbatch_scripts_are_accepted(local_slurm):
 @pytest.mark.timeout(120)
 def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
     """The real dapo_32b.sbatch on 2 emulated GPU nodes, with --dry-run: the plan names 32B, the sizes, the servers."""
-    args = ["--dry-run", "--json"] + ([] if recipe_32b() == "dapo_32b" else ["--recipe", recipe_32b()])
+    # 32B on 2 nodes (DP 1) is predicted not to fit an 80 GiB GPU: the driver would refuse it; this checks the plan
+    args = ["--dry-run", "--json", "cluster.memory_check=false"]
+    args += [] if recipe_32b() == "dapo_32b" else ["--recipe", recipe_32b()]
     job = local_slurm.submit("--nodes=2", f"--output={tmp_path}/out", f"--error={tmp_path}/err",
                              "slurm/dapo_32b.sbatch", *args)  # fmt: skip
     state, code, _ = local_slurm.wait(job, 60)
@@ -105,15 +107,22 @@ def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
     assert (plan["tp"], plan["pp"], plan["cp"]) == (8, 2, 1) and plan["dp"] == 16 // (8 * 2 * 1)
     assert plan["master_addr"] == "127.0.0.1"  # n1's NodeAddr, asked from scontrol
     servers = plan["servers"]
-    assert [s["nodes"] for s in servers] == [[n] for n in plan["rollout_nodes"]] and servers
+    # one SGLang server per rollout-TP group: two TP4 engines per 8-GPU node, at base GPUs 0 and 4
+    assert [s["nodes"] for s in servers] == [[n] for n in plan["rollout_nodes"] for _ in (0, 4)] and servers
+    assert [s["engine"]["base_gpu_id"] for s in servers] == [0, 4, 0, 4]
     for s in servers:
         cmd = " ".join(s["command"])
         assert "-m sglang.launch_server --model-path /shared/models/Qwen2.5-32B" in cmd
         assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--mem-fraction-static 0.66" in cmd
+        assert f"--base-gpu-id {s['engine']['base_gpu_id']}" in cmd
         assert (
             "--enable-deterministic-inference" in cmd and "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s["srun"]
         )
     assert "== launch (recipe dapo_32b)" in err and "ended with exit code 0" in err
+
+
+# stand-in servers: one TP8 engine per node, 32B "trained" by stand-in ranks (its memory check is for real GPUs)
+ONE_ENGINE_PER_NODE = ("rollout.sglang_tp=8", "cluster.memory_check=false")
 
 
 def _salloc(local_slurm, *driver_args: str, gpus: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -126,7 +135,7 @@ def test_colocated_servers_then_trainer(local_slurm, tmp_path):
     """Servers on both nodes become healthy, then 2 x 2 trainer ranks see the right env and reach every server."""
     port = free_port_pair()
     pids, ranks, logs = tmp_path / "pids", tmp_path / "ranks", tmp_path / "logs"
-    out = _salloc(local_slurm, "--recipe", str(TEST_RECIPE_32B), "parallel.tp=2", "parallel.cp=1",
+    out = _salloc(local_slurm, "--recipe", str(TEST_RECIPE_32B), *ONE_ENGINE_PER_NODE, "parallel.tp=2", "parallel.cp=1",
                   f"cluster.server_port={port}", "--ntasks-per-node", "2", "--log-dir", str(logs),
                   "--server-cmd", f"{FAKE_SERVER} --pid-dir {pids}",
                   "--trainer-cmd", f"{PROBE} --out {ranks} --log-dir {logs}")  # fmt: skip
@@ -161,7 +170,8 @@ def test_rollout_server_failure_ends_job_within_60s(local_slurm, tmp_path):
 #SBATCH --output={tmp_path}/job.out
 source {REPO}/slurm/common.sh
 phase launch
-dapo_launch --recipe {TEST_RECIPE_32B} parallel.tp=2 parallel.cp=1 cluster.server_port={port} --ntasks-per-node 1 \\
+dapo_launch --recipe {TEST_RECIPE_32B} {" ".join(ONE_ENGINE_PER_NODE)} parallel.tp=2 parallel.cp=1 \\
+    cluster.server_port={port} --ntasks-per-node 1 \\
     --log-dir {logs} --server-cmd '{server}' --trainer-cmd 'sleep 300'
 """)
     t0 = time.monotonic()

@@ -140,7 +140,7 @@ def test_make_datasets_with_the_char_tokenizer() -> None:
 
 def test_build_prompt_datasets_from_config(tmp_path: Path) -> None:
     from megatron_dapo.config import DapoConfig, DataConfig, EvalConfig, TrainConfig
-    from megatron_dapo.data.dataset import build_prompt_datasets
+    from megatron_dapo.data.sources import build_prompt_datasets
 
     _, eval_path = write_add2_parquet(tmp_path, train_size=10, eval_size=6, seed=9)
     repeated = pq.read_table(eval_path)

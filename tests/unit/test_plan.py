@@ -249,3 +249,28 @@ def test_cli(capsys):
     assert "no feasible plan" in capsys.readouterr().out
     assert main(args + ["--nodes", "0", "--gpu-mem", "24"]) == 2
     assert "nodes = 0" in capsys.readouterr().out
+
+
+def test_layout_phases_term_by_term():
+    """A chosen layout (dapo_32b on 16 nodes): the rollout phase holds the trainer's weights (grads and optimizer on
+    the host) + SGLang's mem_fraction; the train phase the trainer's peak + a released engine; `explain` shows both."""
+    from megatron_dapo.plan import evaluate_layout
+
+    p = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
+                        sglang_tp=4, rollout_mem_fraction=0.66)  # fmt: skip
+    train, rollout = p.phases
+    assert (train.phase, rollout.phase) == ("train", "rollout") and p.feasible
+    t, r = dict((k, v) for k, v, _ in train.rows), dict((k, v) for k, v, _ in rollout.rows)
+    assert r["trainer grads"] == r["trainer optimizer"] == 0  # the heavier stage's weights stay
+    assert r["trainer weights"] == pytest.approx(t["trainer weights"], rel=1e-4)
+    assert r["SGLang weights"] + r["SGLang KV cache"] == pytest.approx(0.66 * 80 * GiB)
+    assert r["SGLang weights"] == pytest.approx(2 * total_params(load_arch("qwen2.5-32b")) / 4)
+    assert t["SGLang (released)"] == 2 * GiB and train.total == pytest.approx(p.memory.total)
+    assert train.total < 76 * GiB and rollout.total < 76 * GiB
+    text = p.explain()
+    assert "rollout phase, per GPU (GiB):" in text and "offloaded to the host" in text and "train phase" in text
+    # without the distributed optimizer, keeping the train state on the GPU during rollout no longer fits
+    kept = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
+                           sglang_tp=4, rollout_mem_fraction=0.66, offload_train_state=False,
+                           distributed_optimizer=False)  # fmt: skip
+    assert not kept.phases[1].fits and any(reason.startswith("rollout phase:") for reason in kept.reasons)

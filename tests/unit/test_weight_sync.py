@@ -11,9 +11,10 @@ import torch
 
 from megatron_dapo.config import ArchConfig, DapoConfig
 from megatron_dapo.rollout import weight_sync as ws
+from megatron_dapo.rollout.driver import make_weight_sync
 from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo, WeightSyncError
 from megatron_dapo.rollout.hf_engine import HFEngine
-from megatron_dapo.rollout.weight_sync import CopySync, make_weight_sync, tensor_checksum
+from megatron_dapo.rollout.weight_sync import CopySync, tensor_checksum
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,64 @@
+"""Each data-parallel rank's share of a step's batch: the sequences its micro-batches hold, and for the others only
+what the partition reads (lengths, the prompt, the loss mask when not all ones).
+
+    shares = dp_shares(actor, seqs)            # rank 0: per DP rank, the indices its micro-batches use this step
+    local = [s if i in shares[d] else stub(s) for i, s in enumerate(seqs)]   # what DP rank d is sent
+
+The actor plans micro-batches from lengths and prompts alone (``MegatronActor.plan_micro_batches``), so every rank
+plans the same partition from the stubs; a stub's response never reaches a micro-batch (the actor refuses one). The
+share is the union over the step's passes (``MegatronActor.step_plan``): the separate π_old pass, then every
+mini-batch update, each partitioned over DP on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.actor.actor import Sequence
+
+
+@dataclass
+class RemoteSequence(Sequence):
+    """Another DP rank's sequence: its prompt tokens only, its response length, advantage and (if not all ones) loss
+    mask. ``old_logprobs``/``entropy`` are filled by the actor's gathers as for any sequence."""
+
+    remote_response_len: int = 0
+    remote: bool = True
+
+    @property
+    def response_len(self) -> int:
+        return self.remote_response_len
+
+
+def stub(s: Sequence, prompts: dict | None = None) -> RemoteSequence:
+    """``s`` as another rank sees it; ``prompts`` (tuple of ids -> tensor) makes a group's stubs share one prompt
+    tensor, pickled once."""
+    prompt = s.tokens[: s.prompt_len]
+    if prompts is not None:
+        prompt = prompts.setdefault(tuple(prompt.tolist()), prompt.clone())
+    mask = s.loss_mask if s.loss_mask is not None and not bool(s.loss_mask.all()) else None
+    return RemoteSequence(
+        tokens=prompt, prompt_len=s.prompt_len, advantage=s.advantage, old_logprobs=s.old_logprobs,
+        rollout_logprobs=None if s.rollout_logprobs is None else torch.empty(0), loss_mask=mask,
+        remote_response_len=s.response_len,
+    )  # fmt: skip
+
+
+def dp_shares(actor, seqs: list[Sequence]) -> list[set[int]]:
+    """Per DP rank, the indices of the sequences its micro-batches hold in ``actor.train_step(seqs)``."""
+    shares: list[set[int]] = [set() for _ in range(actor.dp_size)]
+    minis, _, missing = actor.step_plan(seqs)
+    for idx in [missing, *(list(rng) for rng in minis)]:
+        if not idx:
+            continue
+        rows, per_rank = actor.plan_micro_batches([seqs[i] for i in idx])
+        for d, mbs in enumerate(per_rank):
+            shares[d].update(idx[i] for mb in mbs for k in mb for i in rows[k])
+    return shares
+
+
+def share_for(seqs: list[Sequence], share: set[int]) -> list[Sequence]:
+    prompts: dict = {}
+    return [s if i in share else stub(s, prompts) for i, s in enumerate(seqs)]

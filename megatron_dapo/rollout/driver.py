@@ -1,0 +1,222 @@
+"""The rollout side's driver: rank 0 owns the rollout engine and its weight sync, and the other ranks learn its
+results; the trainer loop (``trainer.py``) and the evaluation (``evaluate.py``) both use it, neither imports the other's
+internals.
+
+    driver = RolloutDriver(cfg, arch, tokenizer, run_dir, actor)   # engine + make_weight_sync on rank 0
+    driver.sync_weights(actor, version)                            # a collective export, rank 0 sends
+    on_driver(fn, *args)                                           # fn on rank 0, its result (or error) everywhere
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from megatron_dapo.config import ConfigError, DapoConfig, load_arch
+from megatron_dapo.ports import JobPorts
+from megatron_dapo.rollout import sglang_sync
+from megatron_dapo.rollout.engine import TokenizerInfo
+from megatron_dapo.rollout.weight_sync import CopySync, WeightSync
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.actor import MegatronActor
+
+
+_CONTROL: dict = {"group": None, "timeout_s": 6 * 3600.0}
+
+
+def set_control_timeout(seconds: float) -> None:
+    """``rollout.control_timeout_s``: how long the control plane waits; before its first use (every rank)."""
+    if _CONTROL["group"] is not None and _CONTROL["timeout_s"] != seconds:
+        raise RuntimeError("the control group exists already: set its timeout before the first broadcast")
+    _CONTROL["timeout_s"] = float(seconds)
+
+
+def control_group():
+    """A gloo group over every rank, with ``rollout.control_timeout_s``: what the ranks wait on while rank 0 alone
+    works (rollout, eval, weight sync). Never the default group: on GPU that is NCCL, whose watchdog kills a rank that
+    waits longer than its timeout (10 min) inside a collective, and a CUDA stream held by a pending NCCL op."""
+    if _CONTROL["group"] is None:
+        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_CONTROL["timeout_s"]))
+    return _CONTROL["group"]
+
+
+def broadcast(obj=None):
+    """Rank 0's object on every rank, over the control plane (gloo)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
+
+
+def control_barrier() -> None:
+    """Every rank here before any goes on (the control plane's timeout)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=control_group())
+
+
+def is_driver() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class DriverError(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in work only it does (rollout, eval, weight sync)."""
+
+
+def on_driver(fn, *args):
+    """``fn(*args)`` on rank 0 only; its result on every rank. If it raises, every rank raises: rank 0 the error
+    itself, the others a ``DriverError`` with its message, so no rank is left waiting in a collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args)
+    outcome = None
+    if is_driver():
+        try:
+            outcome = ("ok", fn(*args))
+        except Exception as e:
+            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
+            raise
+    kind, value = broadcast(outcome)
+    if kind == "error":
+        raise DriverError(value)
+    return value
+
+
+_DP: dict = {}
+
+
+def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
+    """Every rank's DP rank, and per DP rank d a gloo group of rank 0 and the ranks of d (created once, everywhere)."""
+    if not _DP:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, actor.dp_rank, group=control_group())
+        timeout = datetime.timedelta(seconds=_CONTROL["timeout_s"])
+        members = [sorted({0} | {r for r, dd in enumerate(ranks) if dd == d}) for d in range(max(ranks) + 1)]
+        _DP.update(ranks=ranks, members=members,
+                   groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members])  # fmt: skip
+    return _DP["ranks"], _DP["groups"]
+
+
+def scatter_batch(fn, actor: MegatronActor):
+    """``fn()`` on rank 0 -> (sequences, small extra). Every rank gets (the sequences as its DP rank needs them: its
+    share whole, the others as stubs, ``actor/shares.py``; extra). One broadcast per DP rank over a gloo group of rank
+    0 and that DP rank's ranks, not the whole batch to every rank. An error on rank 0 reaches every rank (DriverError)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    from megatron_dapo.actor.shares import dp_shares, share_for
+
+    ranks, groups = _dp_groups(actor)
+    outcome = seqs = shares = None
+    if is_driver():
+        try:
+            seqs, extra = fn()
+            shares = dp_shares(actor, seqs)
+            outcome = ("ok", extra)
+        except Exception as e:
+            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
+            raise
+    kind, extra = broadcast(outcome)
+    if kind == "error":
+        raise DriverError(extra)
+    mine = ranks[dist.get_rank()]
+    for d, group in enumerate(groups):
+        if _DP["members"][d] == [0] or not (is_driver() or d == mine):
+            continue
+        box = [share_for(seqs, shares[d]) if is_driver() else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if not is_driver():
+            seqs = box[0]
+    return seqs, extra
+
+
+class RolloutDriver:
+    """Rank 0 owns the rollout engine and its weight sync; every rank takes part in the (collective) export.
+
+    A server that dies mid-rollout is restarted by the engine, which then calls ``resync``: the current weights go to
+    the restarted servers only, through the run's transport, verified, before its requests are re-issued."""
+
+    def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
+        self.cfg, self.arch, self.actor = cfg, arch, actor
+        self.engine = self.sync = None
+        model_path = cfg.model.hf_init
+        if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
+            from megatron_dapo.bridge.export import save_hf_checkpoint
+
+            model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
+            save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
+        if is_driver():
+            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
+            self.sync = make_weight_sync(cfg, self.engine)
+            if hasattr(self.engine, "resync"):
+                self.engine.resync = self.resync
+
+    def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
+        from megatron_dapo.bridge.export import export_hf_tensors
+
+        buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
+        if self.sync is None:
+            for _ in buckets:  # take part in the gathers
+                pass
+        return on_driver(lambda: self.sync.sync(buckets, version).metrics())
+
+    def resync(self, servers: list) -> None:
+        """Rank 0, mid-rollout: send the weights of the engine's current version (the actor's: it trains only after
+        the rollout) to ``servers``, just restarted. The export runs on rank 0 alone: the other ranks wait for it in
+        a broadcast, so it works where rank 0 holds the whole model (TP = PP = 1, or one process)."""
+        from megatron_dapo.bridge.export import export_hf_tensors
+        from megatron_dapo.rollout.engine import RolloutError
+
+        p = self.cfg.parallel
+        if dist.is_initialized() and dist.get_world_size() > 1 and p.tp * p.pp > 1:
+            raise RolloutError(
+                f"{[s.url for s in servers]} restarted, but resyncing them mid-rollout needs the export of every "
+                f"model-parallel rank (parallel.tp x parallel.pp = {p.tp * p.pp}), which wait for rank 0: stopping"
+            )
+        buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
+        report = self.sync.sync(buckets, self.engine.weight_version, workers=list(servers))
+        print(f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
+              f"({report.tensors} tensors, {report.seconds:.1f} s, {report.verified} verified)", flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
+        if hasattr(self.sync, "close"):
+            self.sync.close()
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+
+def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
+    info = TokenizerInfo.from_hf(tokenizer)
+    if cfg.rollout.engine == "hf":
+        from megatron_dapo.rollout.hf_engine import HFEngine
+
+        dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+        return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
+
+
+def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
+    """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``."""
+    r = cfg.rollout
+    kind, verify = r.weight_sync, r.verify_sync
+    if kind == "copy":
+        return CopySync(engine, verify)
+    classes = {
+        "disk": sglang_sync.DiskSync,
+        "tensor": sglang_sync.TensorSync,
+        "distributed": sglang_sync.DistributedSync,
+    }
+    if kind not in classes:
+        raise ConfigError(f"rollout.weight_sync = {kind!r}: expected copy, tensor, distributed or disk")
+    kwargs = {"head_dim": load_arch(cfg.model.arch).head_dim}
+    if kind == "disk":
+        kwargs["directory"] = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
+    if kind == "distributed":
+        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
+        kwargs["master_port"] = job_ports.weight_sync if job_ports else None
+    return classes[kind](engine, verify, **kwargs)

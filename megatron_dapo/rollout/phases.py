@@ -1,0 +1,113 @@
+"""The memory phases of a GPU that the trainer and the rollout engines share: one call each from the loop.
+
+    phases = make_phases(cfg, engine, actor)   # MemoryPhases when SGLang shares the trainer's GPUs, else NoPhases
+    phases.to_train()      # engines release weights, KV cache and CUDA graphs; the trainer's grads + optimizer come back
+    ...train...
+    phases.to_rollout()    # the trainer's grads + optimizer states go to the host; the engines resume their memory
+    ...weight sync (resumed weights are stale until it), generate, evaluate...
+
+The order per step is slime's and NeMo-RL's (notes: docs of issue 14): generate → release → train → offload → resume
+→ sync → generate. ``release_memory_occupation`` asserts that the server is idle: the loop has aborted what dynamic
+sampling did not keep before ``to_train``, and the engine waits for the aborted requests to finish. The trainer's
+side uses megatron-core's own RL hooks (``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers``,
+``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``); its weights stay on the GPU (what ``plan.py``'s rollout
+phase counts). On a CPU there is no accelerator memory to hand over: the trainer's calls are no-ops there, the
+engines' calls still go to the servers (SGLang on CPU accepts them and frees nothing).
+
+Not run on a GPU yet: the CUDA side (megatron-core's hooks, SGLang's memory saver) is read from their sources, not
+measured; checkpoints are written in the rollout phase, with the optimizer states on the host.
+
+Rank 0 makes the engine calls; every rank moves its own train state; the ranks meet on the control plane
+(``driver.control_barrier``, a gloo group) so no engine resumes before every trainer rank on its GPUs has offloaded,
+and no rank reloads before the engines have released.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+from megatron_dapo.rollout.driver import control_barrier, is_driver
+
+
+class NoPhases:
+    """Engines on their own GPUs (or none): nothing to hand over."""
+
+    phase = "rollout"
+    colocated = False
+
+    def to_train(self) -> None:
+        pass
+
+    def to_rollout(self) -> None:
+        pass
+
+
+def offload_train_state(actor: Any) -> None:
+    """Grads and optimizer states to the host (megatron-core's RL hooks); a no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    for m in actor.model:
+        m.offload_grad_buffers()
+    actor.optimizer.offload_to_cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def reload_train_state(actor: Any) -> None:
+    if not torch.cuda.is_available():
+        return
+    actor.optimizer.restore_from_cpu()
+    for m in actor.model:
+        m.restore_grad_buffers()
+
+
+class MemoryPhases:
+    """Colocated: the GPU alternates between the rollout phase (engines hold their weights and KV cache, the trainer
+    only its weights) and the train phase (engines released). Starts in the rollout phase (servers up, no optimizer
+    state yet). ``log`` records each transition with its seconds (``timings``)."""
+
+    colocated = True
+
+    def __init__(self, engine: Any, actor: Any, offload=offload_train_state, reload=reload_train_state):
+        self.engine, self.actor = engine, actor  # engine: rank 0's (None elsewhere)
+        self._offload, self._reload = offload, reload
+        self.phase = "rollout"
+        self.log: list[str] = []
+        self.timings: dict[str, float] = {}
+
+    def to_train(self) -> None:
+        if self.phase == "train":
+            return
+        t0 = time.monotonic()
+        if is_driver() and self.engine is not None:
+            self.engine.sleep()  # every tag: weights, KV cache, CUDA graphs
+            self.log.append("engines released")
+        control_barrier()  # released before any rank allocates
+        self._reload(self.actor)
+        self.log.append("trainer reloaded")
+        self.phase = "train"
+        self.timings["time/phase_to_train_s"] = time.monotonic() - t0
+
+    def to_rollout(self) -> None:
+        if self.phase == "rollout":
+            return
+        t0 = time.monotonic()
+        self._offload(self.actor)
+        self.log.append("trainer offloaded")
+        control_barrier()  # every rank on the engines' GPUs has offloaded
+        if is_driver() and self.engine is not None:
+            self.engine.wake()  # every tag; the weights are stale until the sync that follows
+            self.log.append("engines resumed")
+        self.phase = "rollout"
+        self.timings["time/phase_to_rollout_s"] = time.monotonic() - t0
+
+
+def make_phases(cfg: Any, engine: Any, actor: Any) -> NoPhases | MemoryPhases:
+    """MemoryPhases when SGLang servers share the trainer's GPUs (``rollout.colocate``), else NoPhases."""
+    if cfg.rollout.engine == "sglang" and cfg.rollout.colocate:
+        return MemoryPhases(engine, actor)
+    return NoPhases()
