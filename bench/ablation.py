@@ -1,6 +1,6 @@
 """The DAPO ablation ladder at toy scale (the paper's Table 1), on CPU: does each technique earn its place?
 
-    .venv/bin/python bench/ablation.py [--seeds 3] [--sample-budget 51200] [--minutes 3.0] [--jobs 2]   # make ablation
+    .venv/bin/python bench/ablation.py [--seeds 3] [--sample-budget 51200] [--minutes 2.5] [--jobs 2]   # make ablation
 
 Task: ``recipes/chain_cpu.yaml`` (sums of 2–7 digits written out as running sums, ``data/chain.py``: variable-length
 reasoning, long solutions past the 24-token limit, easy problems that saturate, a peaked warm-started policy). One
@@ -64,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sample-budget", type=int, default=51200, help="generated samples per rung (default 100 steps)")
-    ap.add_argument("--minutes", type=float, default=3.0, help="wall-clock cap of each rung's RL")
+    ap.add_argument("--minutes", type=float, default=2.5, help="wall-clock cap of each rung's RL")
     ap.add_argument("--jobs", type=int, default=2, help="trainings at a time (one thread each)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--work", default=None, help="run directory (default: a new temporary one)")

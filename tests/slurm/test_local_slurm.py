@@ -277,7 +277,7 @@ def test_tiny_cpu_sbatch_end_to_end(local_slurm, tmp_path):
 def _nemo(local_slurm, tmp_path: Path, *args: str, timeout: float = 280) -> subprocess.CompletedProcess:
     env = {**local_slurm.env, "NEMORUN_HOME": str(tmp_path / "nemo")}
     cmd = [*DRIVER, "--nemo", "--recipe", str(TEST_RECIPE_32B), "--account", "test", "--partition", "debug",
-           "--nodes", "2", "--gpus-per-node", "8", "--exclusive", "--ntasks-per-node", "1", "parallel.tp=2",
+           "--nodes", "2", "--gpus-per-node", "8", "--exclusive", "--ntasks-per-node", "1", *ONE_ENGINE_PER_NODE, "parallel.tp=2",
            "parallel.cp=1", "--log-dir", str(tmp_path / "logs"), *args]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
