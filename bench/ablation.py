@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="run directory (default: a new temporary one)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="dapo_ablation_"))
+    work.mkdir(parents=True, exist_ok=True)
     seeds = [1234 + 17 * k for k in range(args.seeds)]
     t0 = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=args.jobs)
