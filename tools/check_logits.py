@@ -152,7 +152,9 @@ def megatron_logits(ckpt: Path, tp: int, pp: int, prompts: list[list[int]], time
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"megatron run failed (exit {proc.returncode}):\n{_worker_error(proc.stdout + proc.stderr)}")
+            raise RuntimeError(
+                f"megatron run failed (exit {proc.returncode}):\n{_worker_error(proc.stdout + proc.stderr)}"
+            )
         return torch.load(out_path)
 
 
