@@ -109,18 +109,15 @@ def scatter_batch(fn, actor: MegatronActor):
     from megatron_dapo.actor.shares import dp_shares, share_for
 
     ranks, groups = _dp_groups(actor)
-    outcome = seqs = shares = None
-    if is_driver():
-        try:
-            seqs, extra = fn()
-            shares = dp_shares(actor, seqs)
-            outcome = ("ok", extra)
-        except Exception as e:
-            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
-            raise
-    kind, extra = broadcast(outcome)
-    if kind == "error":
-        raise DriverError(extra)
+    made: dict = {}  # rank 0's sequences and DP shares: they go out per DP rank below, not to every rank
+
+    def prepare():
+        seqs, extra = fn()
+        made.update(seqs=seqs, shares=dp_shares(actor, seqs))
+        return extra
+
+    extra = on_driver(prepare)  # the small extra everywhere; rank 0's error on every rank
+    seqs, shares = made.get("seqs"), made.get("shares")
     mine = ranks[dist.get_rank()]
     for d, group in enumerate(groups):
         if _DP["members"][d] == [0] or not (is_driver() or d == mine):
