@@ -10,50 +10,28 @@ A recipe is a YAML file (or the name of one in ``megatron_dapo/recipes/``) whose
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
+# architectures and the typed-YAML reader live in their own modules; their names are part of this module's API
+from megatron_dapo.arch import (  # noqa: F401
+    MODEL_CONFIGS_DIR,
+    ArchConfig,
+    check_divisible,
+    check_world_divides,
+    compare_arch,
+    load_arch,
+    padded_vocab_size,
+    resolve_arch_path,
+    validate_arch,
+)
+from megatron_dapo.typed_yaml import ConfigError, from_dict, parse_override, read_yaml, set_dotted
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECIPES_DIR = PACKAGE_DIR / "recipes"
-MODEL_CONFIGS_DIR = PACKAGE_DIR.parent / "model_configs"  # top level of the repository (editable install)
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and its source."""
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Architecture (model_configs/*.yaml)
-
-
-@dataclass
-class ArchConfig:
-    """A decoder-only transformer architecture, in the terms HF config.json and megatron-core share."""
-
-    name: str = "tiny"
-    family: Literal["qwen2", "llama"] = "qwen2"  # selects the bridge mapping table
-    num_layers: int = 2
-    hidden_size: int = 128
-    ffn_hidden_size: int = 512
-    num_attention_heads: int = 4
-    num_query_groups: int = 2  # KV heads (GQA); == num_attention_heads for MHA
-    kv_channels: int | None = None  # head dim; default hidden_size // num_attention_heads
-    vocab_size: int = 32  # the real vocabulary; the actor pads it for TP
-    max_position_embeddings: int = 4096
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
-    qkv_bias: bool = True
-    tie_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -87,6 +65,8 @@ class ParallelConfig:
     # local spec: a group's responses share one copy of their prompt in a row where that saves FLOPs (exact)
     share_prompts: bool = True
     logprob_chunk_tokens: int = 1024  # tokens per chunk of the vocab-parallel log-softmax
+    # the default (NCCL on GPU) group's collective timeout; rollout and eval never wait in it (rollout.control_timeout_s)
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -251,104 +231,6 @@ class DapoConfig:
         return self.data.max_prompt_len + self.rollout.sampling.max_new_tokens
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Building dataclasses from plain dicts, with type checks that name the key
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` (recursing into dataclasses and lists); return the typed value."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key, source)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = ", ".join(repr(a) for a in typing.get_args(tp))
-            raise ConfigError(f"{source}: {key} = {value!r}: must be one of {choices}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            if isinstance(value, str):  # a single path given on the command line
-                value = [value]
-            else:
-                raise ConfigError(f"{source}: {key} = {value!r}: expected a list")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key} = {value!r}: expected a mapping of {tp.__name__} fields")
-        return _from_dict(tp, value, source, prefix=key + ".")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{source}: {key} = {value!r}: expected true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: {key} = {value!r}: expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: {key} = {value!r}: expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{source}: {key} = {value!r}: expected a string")
-        return value
-    raise TypeError(f"unsupported config annotation {tp!r} for {key}")
-
-
-def _from_dict(cls: type, data: dict, source: str, prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            close = [n for n in names if n.startswith(str(key)[:3])]
-            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
-            raise ConfigError(f"{source}: {prefix}{key}: unknown key{hint}; known: {', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"command line: {dotted}: {part} is not a section")
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"algo.eps_high=0.3"`` -> ``("algo.eps_high", 0.3)``; the value is parsed as YAML (``null``, ``[a, b]``…)."""
-    if "=" not in text:
-        raise ConfigError(f"command line: {text!r}: expected key=value (e.g. algo.eps_high=0.3)")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"command line: {key}: cannot parse {raw!r}: {e}") from e
-    return key.strip(), value
-
-
 def resolve_recipe(name_or_path: str | Path) -> Path:
     """A recipe name (``demo_cpu``) or a path to a YAML file."""
     path = Path(name_or_path)
@@ -363,19 +245,9 @@ def resolve_recipe(name_or_path: str | Path) -> Path:
     return candidate
 
 
-def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
-
-
 def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """A recipe's YAML; ``base: other_recipe`` starts from that recipe, this file's sections merged over it."""
-    data = _read_yaml(path)
+    data = read_yaml(path)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -401,12 +273,12 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         data = _read_recipe(path)
         source = str(path)
     # Check the file alone first, so that an error in it is reported against the file, not the command line.
-    _from_dict(DapoConfig, data, source)
+    from_dict(DapoConfig, data, source)
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_dotted(data, key, value)
-        _from_dict(DapoConfig, data, f"command line ({key})")
-    cfg = _from_dict(DapoConfig, data, source)
+        set_dotted(data, key, value)
+        from_dict(DapoConfig, data, f"command line ({key})")
+    cfg = from_dict(DapoConfig, data, source)
     validate(cfg, source)
     check_unused_overrides(cfg, [parse_override(text) for text in overrides or []])
     return cfg
@@ -450,86 +322,6 @@ def config_to_dict(cfg: Any) -> dict:
 
 def save_config(cfg: DapoConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Architectures
-
-
-def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
-    """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
-
-
-def resolve_arch_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"model config file not found: {path}")
-        return path
-    candidate = MODEL_CONFIGS_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown model config {name_or_path!r}; known: {known} (or give a path to a YAML file)")
-    return candidate
-
-
-def load_arch(name_or_path: str | Path) -> ArchConfig:
-    path = resolve_arch_path(name_or_path)
-    arch = _from_dict(ArchConfig, _read_yaml(path), str(path))
-    validate_arch(arch, str(path))
-    return arch
-
-
-_ARCH_SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
-
-
-def validate_arch(a: ArchConfig, source: str) -> None:
-    def bad(key: str, msg: str) -> ConfigError:
-        return ConfigError(f"{source}: {key} = {getattr(a, key)!r}: {msg}")
-
-    for key in _ARCH_SIZES:
-        if getattr(a, key) < 1:
-            raise bad(key, "must be >= 1")
-    if a.kv_channels is None and a.hidden_size % a.num_attention_heads:
-        raise bad("hidden_size", f"must be divisible by num_attention_heads ({a.num_attention_heads})")
-    if a.num_attention_heads % a.num_query_groups:
-        raise bad("num_query_groups", f"must divide num_attention_heads ({a.num_attention_heads})")
-
-
-def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
-    """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
-    RoPE base, norm epsilon)."""
-    for name in ("family", *_ARCH_SIZES, "tie_embeddings", "qkv_bias", "head_dim", "rope_theta", "norm_eps"):
-        a, b = getattr(expected, name), getattr(actual, name)
-        if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
-            if not math.isclose(float(a), float(b), rel_tol=1e-6):
-                raise ConfigError(f"{source}: {name} mismatch: model config has {a!r}, checkpoint has {b!r}")
-        elif a != b:
-            raise ConfigError(f"{source}: {name} mismatch: model config has {a!r}, checkpoint has {b!r}")
-
-
-def check_divisible(arch: ArchConfig, tp: int, pp: int, prefix: str = "") -> None:
-    """The TP/PP sizes ``arch`` can be split into (megatron-core splits the KV groups, the FFN width and the layers
-    evenly); the message names the size, as ``{prefix}tp`` (``prefix="parallel."`` for a run configuration)."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"{prefix}tp = {tp}, {prefix}pp = {pp}: must be >= 1")
-    if arch.num_query_groups % tp:
-        raise ConfigError(f"{prefix}tp = {tp}: must divide the KV groups of {arch.name} ({arch.num_query_groups})")
-    if arch.ffn_hidden_size % tp:
-        raise ConfigError(f"{prefix}tp = {tp}: must divide ffn_hidden_size of {arch.name} ({arch.ffn_hidden_size})")
-    if arch.num_layers % pp:
-        raise ConfigError(f"{prefix}pp = {pp}: must divide the layers of {arch.name} ({arch.num_layers})")
-
-
-def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
-    mp = parallel.tp * parallel.pp * parallel.cp
-    if world % mp:
-        raise ConfigError(
-            f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
-            f"{what}"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -595,6 +387,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         )
     if p.logprob_chunk_tokens < 1:
         fail("parallel.logprob_chunk_tokens", p.logprob_chunk_tokens, "must be >= 1")
+    if not p.collective_timeout_s > 0:
+        fail("parallel.collective_timeout_s", p.collective_timeout_s, "must be > 0 seconds")
     s = r.sampling
     if s.temperature < 0:
         fail("rollout.sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
