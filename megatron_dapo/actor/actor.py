@@ -154,7 +154,7 @@ class MegatronActor:
         self.cfg = cfg
         self.arch = arch or load_arch(cfg.model.arch)
         p = cfg.parallel
-        init_distributed(p)
+        init_distributed(p, timeout_s=p.collective_timeout_s)
         seed_everything(cfg.train.seed)
         self.te = use_transformer_engine(cfg.model)
         if dist.get_rank() == 0:
