@@ -2,6 +2,8 @@
 
     arch = load_arch("qwen2.5-32b")             # or a path to a YAML file
     check_divisible(arch, tp=8, pp=2, prefix="parallel.")
+
+Errors name the file and the field (``ConfigError``), as the run configuration's do.
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ Who receives (``dst``):
   tensors point to point to that rank.
 * ``"stage"``: each PP stage's TP rank 0 gets the tensors of its own stage (no PP traffic; e.g. one SGLang sender per
   stage).
+* ``"all"``: every rank of every replica gets every tensor (the per-node weight sync, ``rollout/node_sync.py``: the
+  ranks that feed an engine on their own node need the whole model; slime's ``hf_weight_iterator_direct.py`` does the
+  same): the TP ranks all-gather, then each stage broadcasts its full tensors over the pipeline group.
 
-Only data-parallel (and context-parallel) rank 0's replica takes part; the other replicas hold the same weights and
-return at once. Vocabulary padding is stripped; a tied lm_head is not sent (the HF model ties it to the embedding);
+With ``rank0`` and ``stage`` only data-parallel (and context-parallel) rank 0's replica takes part; the other replicas
+hold the same weights and return at once. Vocabulary padding is stripped; a tied lm_head is not sent (the HF model ties it to the embedding);
 with tied embeddings and PP > 1 the last stage's copy of the embedding is skipped. A tensor larger than
 ``bucket_bytes`` forms a bucket of its own.
 """
@@ -70,8 +73,8 @@ def export_hf_tensors(
     model_chunks, arch: ArchConfig, bucket_bytes: int = 512 << 20, dst: str = "rank0"
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` from the live model; see the module docstring for who receives what."""
-    if dst not in ("rank0", "stage"):
-        raise ValueError(f"dst = {dst!r}: must be 'rank0' or 'stage'")
+    if dst not in ("rank0", "stage", "all"):
+        raise ValueError(f"dst = {dst!r}: must be 'rank0', 'stage' or 'all'")
     yield from _bucketed(_export_items(model_chunks, arch, dst), bucket_bytes)
 
 
@@ -86,6 +89,9 @@ def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[st
         return
     from megatron.core import parallel_state as ps
 
+    if dst == "all":
+        yield from _export_to_all(params, local, arch)
+        return
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
         return
     tp_group = ps.get_tensor_model_parallel_group()
@@ -139,6 +145,38 @@ def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[st
             buf = torch.empty(by_name[p.megatron].shape(), dtype=_DTYPE_CODES[code], device=device)
             dist.recv(buf, pp_ranks[s])
             yield from zip(p.hf, p.to_hf(buf))
+
+
+def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """``dst="all"``: in model order, the owning stage's TP ranks all-gather each parameter and broadcast the full
+    tensor over their pipeline group, so every rank yields every tensor."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    device = next(iter(local.values())).device  # NCCL takes only CUDA tensors (see the PP path above)
+    for s in range(pp):
+        theirs = [p for p in params if _stage_of(p, arch, pp) == s]
+        if s == stage and any(p.megatron not in local for p in theirs):
+            missing = [p.megatron for p in theirs if p.megatron not in local]
+            raise RuntimeError(f"export: stage {s} lacks {missing[:3]}: the layer split differs from _stage_of")
+        codes = torch.zeros(len(theirs), dtype=torch.int64, device=device)
+        if s == stage:
+            codes.copy_(torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in theirs]))
+        if pp > 1:
+            dist.broadcast(codes, pp_ranks[s], group=pp_group)
+        for p, code in zip(theirs, codes.tolist()):
+            if s == stage:
+                full = gather_tp(p, local[p.megatron], tp_group)
+            else:
+                full = torch.empty(p.shape(), dtype=_DTYPE_CODES[code], device=device)
+            if pp > 1:
+                full = full.contiguous()
+                dist.broadcast(full, pp_ranks[s], group=pp_group)
+            yield from zip(p.hf, p.to_hf(full))
 
 
 def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:

@@ -184,6 +184,9 @@ def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
     from megatron_dapo.rollout.sglang_server import PLATFORMS
 
     env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(PLATFORMS[cfg.rollout.sglang_device].env)}
+    if cfg.rollout.sglang_pythonpath:  # as SGLangServer does: absolute, ahead of the inherited PYTHONPATH
+        parts = [str(Path(q).resolve()) for q in cfg.rollout.sglang_pythonpath]
+        env["PYTHONPATH"] = os.pathsep.join(parts + [q for q in [os.environ.get("PYTHONPATH")] if q])
     return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
 
 
@@ -206,7 +209,7 @@ def sglang_server_command(
     cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--base-gpu-id", str(base_gpu_id)]
     cmd += ["--mem-fraction-static", str(r.mem_fraction)]
     cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
-    if colocated:
+    if colocated and r.sglang_device == "cuda":  # torch_memory_saver: CUDA only (a CPU server frees nothing)
         cmd.append("--enable-memory-saver")
     return cmd
 
@@ -321,7 +324,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                             f"http://{addr[node]}:{port}", engine))  # fmt: skip
 
     urls = [s.url for s in servers] or list(r.server_urls)
-    train_args = ["--recipe", opts.recipe, *opts.overrides, "--resume", opts.resume]
+    # options first: dapo train reads the overrides as one positional list (rollout.server_urls is appended below)
+    train_args = ["--recipe", opts.recipe, "--resume", opts.resume, *opts.overrides]
     if servers:
         port_uses.update({"router": (master_addr, ports.router), "weight sync": (master_addr, ports.weight_sync)})
     clashes = find_collisions(port_uses)

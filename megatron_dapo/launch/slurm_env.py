@@ -80,7 +80,8 @@ def node_address(node: str) -> str:
 
 def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
     """torchrun-style variables for one srun task: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_*;
-    plus DAPO_LOCAL_SERVER_URL (the SGLang server on this rank's GPUs) when the launcher placed servers colocated."""
+    plus DAPO_LOCAL_SERVER_URL (the SGLang server on this rank's GPUs) and DAPO_LOCAL_SERVER_POSTER (1: this rank sends
+    it the weights) when the launcher placed servers colocated."""
     env = dict(os.environ if env is None else env)
     if "SLURM_PROCID" not in env:
         raise LaunchError("rank-exec must run as an srun task (SLURM_PROCID is not set)")
@@ -105,6 +106,8 @@ def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
     engine = node_rank * int(env.get("DAPO_ENGINES_PER_NODE") or 1) + int(out["LOCAL_RANK"]) // per_engine
     if env.get("DAPO_PLACEMENT") == "colocated" and engine < len(urls):
         out["DAPO_LOCAL_SERVER_URL"] = urls[engine]
+        # the first rank of the engine's share posts its weights (placement.SyncRoute.poster; rollout/node_sync.py)
+        out["DAPO_LOCAL_SERVER_POSTER"] = "1" if int(out["LOCAL_RANK"]) % per_engine == 0 else "0"
     return out
 
 

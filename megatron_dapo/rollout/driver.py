@@ -144,15 +144,24 @@ class RolloutDriver:
 
             model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
             save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
+        self.node_sync = _node_local_sync(cfg)  # colocated on several nodes: each node feeds its own engines
         if is_driver():
             self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
-            self.sync = make_weight_sync(cfg, self.engine)
+            # per node, rank 0's transport reaches only its own engine (what ``resync`` may restart)
+            self.sync = self.node_sync.local if self.node_sync else make_weight_sync(cfg, self.engine)
             if hasattr(self.engine, "resync"):
                 self.engine.resync = self.resync
 
     def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
         from megatron_dapo.bridge.export import export_hf_tensors
 
+        if self.node_sync is not None:
+            buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20, dst="all")
+            metrics = self.node_sync.sync(buckets, version)
+            if is_driver():
+                self.engine.set_weight_version(version)
+                print(f"weight sync v{version} per node: {self.node_sync.describe()}", flush=True)
+            return metrics
         buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
         if self.sync is None:
             for _ in buckets:  # take part in the gathers
@@ -167,6 +176,11 @@ class RolloutDriver:
         from megatron_dapo.rollout.engine import RolloutError
 
         p = self.cfg.parallel
+        if self.node_sync is not None and {s.url for s in servers} - {self.node_sync.route.url}:
+            raise RolloutError(
+                f"{[s.url for s in servers]} restarted, but weights reach an engine only from its own node's ranks "
+                "(per-node sync), which wait for rank 0 mid-rollout: stopping"
+            )
         if dist.is_initialized() and dist.get_world_size() > 1 and p.tp * p.pp > 1:
             raise RolloutError(
                 f"{[s.url for s in servers]} restarted, but resyncing them mid-rollout needs the export of every "
@@ -179,10 +193,49 @@ class RolloutDriver:
 
     def close(self) -> None:
         """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
-        if hasattr(self.sync, "close"):
+        if self.node_sync is not None:
+            self.node_sync.close()
+        elif hasattr(self.sync, "close"):
             self.sync.close()
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
+
+
+def _node_local_sync(cfg: DapoConfig):
+    """A ``NodeLocalSync`` on every rank when ``dapo launch`` placed the servers on the ranks' nodes (colocated) and the
+    transport is same-node only (``tensor``: CUDA IPC / shared memory); None otherwise, on every rank."""
+    from megatron_dapo.rollout.node_sync import LocalRoute, NodeLocalSync
+
+    route = LocalRoute.from_env() if cfg.rollout.engine == "sglang" and cfg.rollout.weight_sync == "tensor" else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        routes = [None] * dist.get_world_size()
+        dist.all_gather_object(routes, route, group=control_group())
+        if any(r is None for r in routes) != all(r is None for r in routes):
+            missing = [i for i, r in enumerate(routes) if r is None]
+            raise ConfigError(f"DAPO_LOCAL_SERVER_URL is set on some ranks only (not on {missing}): launch with dapo "
+                              "launch, which sets it on every rank of a colocated job")  # fmt: skip
+        if not any(r is not None and r.poster for r in routes):
+            route = None
+    elif route is not None and not route.poster:
+        route = None
+    if route is None:
+        return None
+    return NodeLocalSync(route, lambda url: make_weight_sync(cfg, _attached_engine(cfg, url)), control_group())
+
+
+def _attached_engine(cfg: DapoConfig, url: str):
+    """An engine over one running server, for its weight sync only (it never generates)."""
+    import json
+    import os
+
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.sglang_server import SGLangServer
+
+    r = cfg.rollout
+    log = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}").get(url)
+    server = SGLangServer.attach(url, tp_size=r.sglang_tp, device=r.sglang_device, log_path=log)
+    return SGLangEngine([server], dtype=r.dtype or cfg.model.dtype, max_concurrency=4,
+                        server_timeout=r.server_timeout_s, start=False)  # fmt: skip
 
 
 def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):

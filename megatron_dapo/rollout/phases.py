@@ -102,6 +102,7 @@ class MemoryPhases:
         if is_driver() and self.engine is not None:
             self.engine.wake()  # every tag; the weights are stale until the sync that follows
             self.log.append("engines resumed")
+        control_barrier()  # resumed before any rank sends an engine weights (per-node sync: node_sync.py)
         self.phase = "rollout"
         self.timings["time/phase_to_rollout_s"] = time.monotonic() - t0
 

@@ -302,10 +302,13 @@ def server_args(cfg) -> list[str]:
     args = ["--random-seed", str(cfg.train.seed)]
     if r.sglang_deterministic:  # sampling_seed is ignored without it (GPU attention backends only)
         args.append("--enable-deterministic-inference")
-    if cfg.model.tokenizer:
+    from megatron_dapo.data.tokenizer import is_char_tokenizer_dir
+
+    tokenizer = cfg.model.tokenizer or cfg.model.hf_init
+    if tokenizer is None or str(tokenizer) == "char" or is_char_tokenizer_dir(tokenizer):
+        args.append("--skip-tokenizer-init")  # the project's char tokenizer is no HF tokenizer: ids in, ids out
+    elif cfg.model.tokenizer:
         args += ["--tokenizer-path", cfg.model.tokenizer]
-    elif not cfg.model.hf_init:  # the project's char tokenizer is no HF tokenizer: ids in, ids out
-        args.append("--skip-tokenizer-init")
     return args + list(r.sglang_args)
 
 

@@ -1,6 +1,7 @@
 """torchrun worker of tests/dist/test_bridge_dist.py: load a converted checkpoint into MegatronActor at TP×PP, compare
-every parameter shard with the offline split of the HF weights, export HF tensors from the live model (both receiver
-modes) and compare with the HF checkpoint, then save with the actor (for the Megatron → HF check in the parent)."""
+every parameter shard with the offline split of the HF weights, export HF tensors from the live model (each receiver
+mode: rank 0, each stage, every rank) and compare with the HF checkpoint, then save with the actor (for the
+Megatron → HF check in the parent)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def main() -> None:
         if name in expected and not torch.equal(t.detach(), expected[name]):
             problems.append(f"{name}: loaded shard differs (max {float((t - expected[name]).abs().max()):.3g})")
 
-    for dst in ("rank0", "stage"):
+    for dst in ("rank0", "stage", "all"):
         received, limit = {}, 32 << 10
         for bucket in export_hf_tensors(actor.model, arch, bucket_bytes=limit, dst=dst):
             size = sum(t.numel() * t.element_size() for _, t in bucket)
@@ -71,6 +72,8 @@ def main() -> None:
         want = [n for n in hf if not (arch.tie_embeddings and n == "lm_head.weight")]
         if dst == "rank0":
             want = want if dist.get_rank() == 0 else []
+        elif dst == "all":  # every rank: the whole model (the per-node weight sync)
+            pass
         else:
             want = [n for n in want if rank == 0 and _stage_of_hf(n, arch, args.pp) == stage]
         if sorted(received) != sorted(want):

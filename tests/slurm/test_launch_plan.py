@@ -426,3 +426,5 @@ def test_each_rank_learns_the_engine_on_its_own_gpus():
     seen = [torch_env_from_slurm({**env, "SLURM_NODEID": str(r // 8), "SLURM_LOCALID": str(r % 8)})
             for r in range(16)]  # fmt: skip
     assert [s["DAPO_LOCAL_SERVER_URL"] for s in seen] == [u for u in urls for _ in range(4)]
+    # the first rank of each engine's four posts its weights (placement.SyncRoute.poster): ranks 0, 4, 8, 12
+    assert [r for r, s in enumerate(seen) if s["DAPO_LOCAL_SERVER_POSTER"] == "1"] == [0, 4, 8, 12]
