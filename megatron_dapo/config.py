@@ -104,6 +104,9 @@ class RolloutConfig:
     # evaluates or syncs weights: sized to the longest such phase (32B: 1,536 prompts x 16 x 20k tokens), not 10 min
     control_timeout_s: float = 6 * 3600.0
     max_concurrency: int = 512
+    # SGLang: prompt = every sample of a prompt to one engine (radix-cache reuse), the least loaded when the prompt is
+    # submitted; request = round-robin per request (bench/fanout.py compares them and sglang-router)
+    fanout: Literal["prompt", "request"] = "prompt"
     # a server that dies mid-rollout is restarted, resynced and its requests re-issued; more deaths than this in one
     # step stop the run with an error naming the server's node and log
     max_restarts_per_step: int = 3
@@ -298,7 +301,7 @@ _IGNORED_WHEN = {
     "train.supervised_lr": _NO_WARMUP, "train.supervised_batch": _NO_WARMUP, "train.supervised_stop_acc": _NO_WARMUP,
     "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
     "rollout.server_urls": _NOT_SGLANG, "rollout.sglang_tp": _NOT_SGLANG, "rollout.mem_fraction": _NOT_SGLANG,
-    "rollout.max_concurrency": _NOT_SGLANG,
+    "rollout.max_concurrency": _NOT_SGLANG, "rollout.fanout": _NOT_SGLANG,
     "algo.overlong_cache": _NO_OVERLONG, "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
     "algo.tis_cap": (lambda c: not c.tis_enabled, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),

@@ -11,8 +11,11 @@
   process group.
 * ``SGLangEngine``: one HTTP request per sample (rid, ``sampling_seed``), bounded by ``max_concurrency`` threads
   (stdlib ``urllib``: no aiohttp/httpx dependency). /generate goes to ``router_url`` (sglang-router) when given,
-  else round-robin over the workers; weight-sync, memory and abort calls always go to the workers (the router
-  answers 404 for weight sync). A request that fails because a server died is re-issued after the engine, in the
+  else, with ``fanout="prompt"`` (``rollout.fanout``, the default), every sample of a prompt to one worker (its radix
+  cache prefills the prompt once), the worker with the fewest requests assigned and unfinished when the prompt is
+  submitted, so every engine's batch stays full; ``fanout="request"`` is round-robin per request
+  (``bench/fanout.py`` measures both and sglang-router on real CPU servers). Weight-sync, memory and abort calls
+  always go to the workers (the router answers 404 for weight sync and abort). A request that fails because a server died is re-issued after the engine, in the
   caller's thread, restarted the dead server (or waited for an attached one) and called ``resync(dead_servers)``
   to bring it to the current weight version; ``metrics`` counts restarts and re-issued requests. More than
   ``max_restarts_per_step`` restarts between two ``new_step()`` calls raise ``ServerRestartLimit`` naming the
@@ -73,8 +76,11 @@ class SGLangEngine:
         max_retries: int = 3,
         resync: Callable[[list[SGLangServer]], None] | None = None,
         max_restarts_per_step: int | None = None,
+        fanout: str = "prompt",
         start: bool = True,
     ):
+        if fanout not in ("prompt", "request"):
+            raise ValueError(f"rollout.fanout = {fanout!r}: expected 'prompt' or 'request'")
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         self.servers = list(servers)
@@ -93,6 +99,8 @@ class SGLangEngine:
         self._on_shutdown: list[Callable[[], None]] = []  # run before the servers stop (weight-sync groups close)
         self._lock = threading.Lock()
         self._rr = 0
+        self.fanout = fanout
+        self._assigned: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> rids sent, unfinished
         self._version = 0
         self._inflight: dict[str, str] = {}  # rid -> URL it was sent to
         self._abort_gen = 0  # bumped by abort(); requests of an older generation are dropped
@@ -132,6 +140,7 @@ class SGLangEngine:
             max_concurrency=r.max_concurrency,
             server_timeout=r.server_timeout_s,
             max_restarts_per_step=r.max_restarts_per_step,
+            fanout=r.fanout,
         )
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -240,15 +249,17 @@ class SGLangEngine:
         gen = self._abort_gen
         tag = uuid.uuid4().hex[:12]
         attempts: dict[tuple[int, int], int] = {}
-        pending: set[cf.Future] = set()
+        pending: dict[cf.Future, tuple[str, str]] = {}  # -> (rid, url)
         done: dict[int, dict[int, Sample]] = {}
+        routes: dict[int, str] = {}  # prompt -> the worker its samples go to (fanout = prompt)
 
         def submit(key: tuple[int, int]) -> None:
             attempts[key] = attempts.get(key, 0) + 1
             p, j = key
             rid = f"{tag}-{p}-{j}-{attempts[key]}"
             req = self._request(prompts[p], sampling, sample_seed(sampling.seed, p, j), rid)
-            pending.add(self._pool.submit(self._run, key, req, gen))
+            url = self._pick_url(routes, p, rid, retry=attempts[key] > 1)
+            pending[self._pool.submit(self._run, key, req, gen, url)] = (rid, url)
 
         for p in range(len(prompts)):
             for j in range(n):
@@ -257,7 +268,7 @@ class SGLangEngine:
             while pending:
                 finished, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for fut in finished:
-                    pending.discard(fut)
+                    pending.pop(fut)
                     if fut.cancelled():
                         continue
                     result = fut.result()
@@ -281,8 +292,9 @@ class SGLangEngine:
                 if self._abort_gen != gen:
                     return
         finally:
-            for fut in pending:
-                fut.cancel()
+            for fut, (rid, url) in pending.items():
+                if fut.cancel():  # never ran: no longer assigned to its worker
+                    self._unassign(rid, url)
 
     def _request(self, prompt: list[int], sp: SamplingParams, seed: int | None, rid: str) -> T.GenerateRequest:
         stop = sorted(set(sp.stop_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
@@ -300,15 +312,28 @@ class SGLangEngine:
             rid=rid,
         )
 
-    def _pick_url(self) -> str:
+    def _pick_url(self, routes: dict[int, str], prompt: int, rid: str, retry: bool = False) -> str:
+        """The URL request ``rid`` of ``prompt`` goes to (see the module docstring); counted as assigned to it."""
         if self.router_url:
             return self.router_url
         with self._lock:
-            self._rr = (self._rr + 1) % len(self.servers)
-            return self.servers[self._rr].url
+            if self.fanout == "request":
+                self._rr = (self._rr + 1) % len(self.servers)
+                url = self.servers[self._rr].url
+            elif prompt in routes and not retry:
+                url = routes[prompt]
+            else:  # least loaded; ties rotate, so a batch submitted at once alternates between equal workers
+                self._rr = (self._rr + 1) % len(self.servers)
+                order = self.servers[self._rr :] + self.servers[: self._rr]
+                url = routes[prompt] = min(order, key=lambda s: len(self._assigned[s.url])).url
+            self._assigned.setdefault(url, set()).add(rid)
+            return url
 
-    def _run(self, key: tuple[int, int], req: T.GenerateRequest, gen: int) -> Sample | _Failed:
-        url = self._pick_url()
+    def _unassign(self, rid: str, url: str) -> None:
+        with self._lock:
+            self._assigned.get(url, set()).discard(rid)
+
+    def _run(self, key: tuple[int, int], req: T.GenerateRequest, gen: int, url: str) -> Sample | _Failed:
         rid = str(req.rid)
         with self._lock:
             self._inflight[rid] = url
@@ -325,6 +350,7 @@ class SGLangEngine:
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
+                self._assigned.get(url, set()).discard(rid)
         return self._sample(key, req, resp)
 
     def _sample(self, key: tuple[int, int], req: T.GenerateRequest, resp: T.GenerateResponse) -> Sample:
