@@ -158,11 +158,14 @@ def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterat
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     device = next(iter(local.values())).device  # NCCL takes only CUDA tensors (see the PP path above)
+    missing = [p.megatron for p in params if _stage_of(p, arch, pp) == stage and p.megatron not in local]
+    flag = torch.tensor([len(missing)], dtype=torch.int64, device=device)
+    if pp > 1:  # every stage learns it, so none is left waiting in a broadcast
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pp_group)
+    if int(flag):
+        raise RuntimeError(f"export: stage {stage} lacks {missing[:3]}: the layer split differs from _stage_of")
     for s in range(pp):
         theirs = [p for p in params if _stage_of(p, arch, pp) == s]
-        if s == stage and any(p.megatron not in local for p in theirs):
-            missing = [p.megatron for p in theirs if p.megatron not in local]
-            raise RuntimeError(f"export: stage {s} lacks {missing[:3]}: the layer split differs from _stage_of")
         codes = torch.zeros(len(theirs), dtype=torch.int64, device=device)
         if s == stage:
             codes.copy_(torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in theirs]))

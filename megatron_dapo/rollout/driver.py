@@ -156,7 +156,9 @@ class RolloutDriver:
         from megatron_dapo.bridge.export import export_hf_tensors
 
         if self.node_sync is not None:
-            buckets = export_hf_tensors(actor.model, self.arch, self.cfg.rollout.bucket_mb << 20, dst="all")
+            # a rank that posts nothing holds one tensor at a time (its GPU is shared with the resumed engine)
+            size = self.cfg.rollout.bucket_mb << 20 if self.node_sync.local is not None else 1
+            buckets = export_hf_tensors(actor.model, self.arch, size, dst="all")
             metrics = self.node_sync.sync(buckets, version)
             if is_driver():
                 self.engine.set_weight_version(version)

@@ -46,15 +46,26 @@ class LocalRoute:
         if not env.get(LOCAL_URL_ENV):
             return None
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        return cls(env[LOCAL_URL_ENV], env.get(POSTER_ENV, "1") == "1", node)
+        poster = env.get(POSTER_ENV, "1" if env.get("LOCAL_RANK", "0") == "0" else "0")  # dapo launch sets it
+        return cls(env[LOCAL_URL_ENV], poster == "1", node)
 
 
 class NodeLocalSync:
     """Every rank takes part in the export; the posters update their own engines; all learn every outcome."""
 
     def __init__(self, route: LocalRoute, make_sync: Callable[[str], object], group=None):
+        """Collective: a poster that cannot set up its transport makes every rank raise, none waits for it."""
         self.route, self.group = route, group
-        self.local = make_sync(route.url) if route.poster else None  # a WeightSync over this node's engine only
+        self.local, error = None, None
+        if route.poster:
+            try:
+                self.local = make_sync(route.url)  # a WeightSync over this node's engine only
+            except Exception as e:
+                error = f"rank {dist.get_rank()} ({route.node}) -> {route.url}: {type(e).__name__}: {e}"
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        if any(errors):
+            raise WeightSyncError("per-node weight sync cannot start: " + "; ".join(e for e in errors if e))
         self.last_routes: list[dict] = []
 
     def sync(self, buckets: Iterable[list], version: int) -> dict[str, float]:
@@ -62,19 +73,22 @@ class NodeLocalSync:
         any poster failed. Returns the sync metrics (seconds: the slowest engine; bytes and tensors: per engine)."""
         t0 = time.perf_counter()
         outcome: dict = {"rank": dist.get_rank(), "node": self.route.node, "url": self.route.url}
-        if self.local is None:
-            for _ in buckets:  # take part in the gathers and broadcasts
-                pass
-            outcome["posted"] = False
-        else:
-            buckets = iter(buckets)
-            try:
-                report = self.local.sync(buckets, version)
-                outcome.update(posted=True, metrics=report.metrics(), verified=report.verified)
-            except Exception as e:  # keep the collectives aligned, then report
-                for _ in buckets:
+        outcome["posted"] = self.local is not None
+        buckets = iter(buckets)
+        try:
+            if self.local is None:
+                for _ in buckets:  # take part in the gathers and broadcasts
                     pass
-                outcome.update(posted=True, error=f"{type(e).__name__}: {e}")
+            else:
+                try:
+                    report = self.local.sync(buckets, version)
+                    outcome.update(metrics=report.metrics(), verified=report.verified)
+                except Exception as e:  # keep the export's collectives aligned, then report
+                    outcome["error"] = f"{type(e).__name__}: {e}"
+                    for _ in buckets:
+                        pass
+        except Exception as e:  # the export itself failed here: report it (its peers may fail the same way)
+            outcome["error"] = outcome.get("error") or f"export: {type(e).__name__}: {e}"
         outcomes = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(outcomes, outcome, group=self.group)
         failed = [o for o in outcomes if o.get("error")]

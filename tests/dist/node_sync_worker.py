@@ -2,7 +2,9 @@
 rank 1 only exports). The export is collective (an all-reduce per bucket, as the TP gather of the real one), and
 the transports are recorders (our own ``WeightSync`` interface; the real SGLang side: tests/slurm/test_colocated_sglang.py).
 
-    python -m torch.distributed.run --nproc-per-node=3 node_sync_worker.py OUT_DIR FAIL_RANK (-1: none)
+    python -m torch.distributed.run --nproc-per-node=3 node_sync_worker.py OUT_DIR FAIL_RANK (-1: none) [init]
+
+``init``: FAIL_RANK's transport cannot even be set up (a bad URL, say): every rank must raise at construction.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def export(n: int = 4):
         yield [(f"w{i}", t)]
 
 
-def main(out: str, fail_rank: int) -> None:
+def main(out: str, fail_rank: int, at_init: bool = False) -> None:
     from megatron_dapo.rollout.engine import WeightSyncError
     from megatron_dapo.rollout.node_sync import LocalRoute, NodeLocalSync
 
@@ -46,12 +48,14 @@ def main(out: str, fail_rank: int) -> None:
     recorders = []
 
     def make(url):
+        if at_init and rank == fail_rank:
+            raise ValueError(f"cannot reach {url}")
         recorders.append(Recorder(url, fail=rank == fail_rank))
         return recorders[-1]
 
-    sync = NodeLocalSync(route, make)
     record = {"rank": rank}
     try:
+        sync = NodeLocalSync(route, make)
         record["metrics"] = sync.sync(export(), version=3)
         record["routes"] = sync.last_routes
     except WeightSyncError as e:
@@ -65,4 +69,4 @@ def main(out: str, fail_rank: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["init"])

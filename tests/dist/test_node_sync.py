@@ -35,3 +35,10 @@ def test_a_failed_engine_raises_on_every_rank_naming_it(tmp_path):
         assert "rank 2 (n2) -> http://engine1: RuntimeError: http://engine1 refused bucket 1" in r["error"], r
     assert recs[0]["received"] == ["w0", "w1", "w2", "w3"] and recs[2]["received"] == ["w0"]
     assert all(r["after"] == 3 for r in recs), "a rank was left inside the export's collectives"
+
+
+def test_a_transport_that_cannot_start_stops_every_rank(tmp_path):
+    run_torchrun(3, WORKER, tmp_path, 2, "init")
+    for r in _records(tmp_path):
+        assert "cannot start: rank 2 (n2) -> http://engine1: ValueError: cannot reach http://engine1" in r["error"], r
+        assert r["after"] == 3
