@@ -5,8 +5,8 @@
 The same batch (prompts x n samples, long shared prompts: the radix cache matters, as with DAPO's group of 16) through:
 * ``request``: SGLangEngine, round-robin per request (a prompt's samples land on every engine);
 * ``prompt``:  SGLangEngine, every sample of a prompt on one engine, the least loaded (``rollout.fanout``'s default);
-* ``router``:  the real sglang-router (``--policy cache_aware``, its default) in front of the engines, when
-  ``sglang_router`` is installed (``pip install sglang-router``; not part of ``make test``).
+* ``router``:  the real sglang-router 0.3.2 (``--policy cache_aware``, its default) in front of the engines (the
+  sglang environment of ``make test`` installs it: requirements/sglang-cpu.txt).
 Each mode runs ``--repeats`` times in rotating order, caches flushed before each run; it prints seconds per run, samples
 per second, and each mode's time relative to ``prompt``, all from this one run. Writes a JSON next to ``--out``.
 """
@@ -103,7 +103,7 @@ def main() -> None:
             _wait_router(router_url)
             modes.append("router")
         else:
-            print("sglang_router is not installed: the router row is skipped (pip install sglang-router)")
+            print("sglang_router is not installed: the router row is skipped (make .venv/.installed-sglang)")
         rng = random.Random(0)
         prompts = [[rng.randrange(3, 30) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0, logprobs=True)
