@@ -32,7 +32,7 @@ def main(out: str, kill_step: int, kill_at: int, overrides: list[str]) -> None:
 
     run_request = engine._run
 
-    def run(key, req, gen):
+    def run(key, req, gen, url):
         with lock:
             if state["step"] == kill_step:
                 state["requests"] += 1
@@ -41,7 +41,7 @@ def main(out: str, kill_step: int, kill_at: int, overrides: list[str]) -> None:
                     os.killpg(pid, signal.SIGKILL)
                     server.proc.wait()
                     record["kills"].append({"step": kill_step, "request": kill_at, "pid": pid})
-        return run_request(key, req, gen)
+        return run_request(key, req, gen, url)
 
     generate_stream = engine.generate_stream
 
