@@ -1,6 +1,8 @@
 """Per-rank parameter / gradient / optimizer bytes of a real MegatronActor after one update (for the planner test).
 
-torchrun --nproc-per-node TP*PP tests/dist/plan_actor_worker.py OUT.json ARCH.yaml TP PP
+torchrun --nproc-per-node TP*PP tests/dist/plan_actor_worker.py OUT.json ARCH.yaml[,ARCH2.yaml...] TP PP
+
+Several architectures run one after the other in the same ranks (one launch per layout): OUT.json maps each to its rows.
 """
 
 import json
@@ -10,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 
-def main(out: str, arch: str, tp: int, pp: int) -> None:
+def main(out: str, archs: str, tp: int, pp: int) -> None:
+    result = {arch: measure(arch, tp, pp) for arch in archs.split(",")}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def measure(arch: str, tp: int, pp: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     from megatron_dapo.actor.actor import MegatronActor, Sequence
@@ -41,9 +50,7 @@ def main(out: str, arch: str, tp: int, pp: int) -> None:
     }
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+    return rows
 
 
 if __name__ == "__main__":

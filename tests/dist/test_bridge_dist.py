@@ -1,6 +1,6 @@
 """Multi-process bridge checks (torchrun, gloo): a converted checkpoint loads into MegatronActor at TP=2 × PP=2 with
 every shard equal to the offline split; the live export gives back the HF tensors; an actor-saved checkpoint converts
-back to HF bit-exactly; Megatron logits match HF logits at TP=1, TP=2 and PP=2 (tools/check_logits.py)."""
+back to HF bit-exactly; Megatron logits match HF logits at TP=2 and PP=2 (tools/check_logits.py)."""
 
 from __future__ import annotations
 
@@ -65,9 +65,10 @@ def test_actor_load_export_and_save_round_trip(tmp_path, arch):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "arch,tp,pp", [(QWEN2_TINY, 1, 1), (QWEN2_TINY, 2, 1), (LLAMA_TINY, 2, 1), (QWEN2_TINY, 1, 2), (LLAMA_TINY, 1, 2)],
-    ids=["qwen2-tp1", "qwen2-tp2", "llama-tp2", "qwen2-pp2", "llama-pp2"],
+    "arch,tp,pp", [(QWEN2_TINY, 2, 1), (LLAMA_TINY, 2, 1), (QWEN2_TINY, 1, 2)],
+    ids=["qwen2-tp2", "llama-tp2", "qwen2-pp2"],
 )  # fmt: skip
+# (llama at PP2: test_bridge_smollm.py, SmolLM2's real layout; TP1 is the path every single-process test takes)
 def test_check_logits_matches_hf(tmp_path, arch, tp, pp):
     hf = save_hf(arch, tmp_path / "hf", seed=1)
     _convert(hf, tmp_path / "mg")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_trainer import BASE, ENV, dapo, metrics
+from tests.e2e.test_trainer import BASE, ENV, dapo, dapo_finished, dapo_started, metrics
 from tests.helpers import REPO, torchrun_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,8 +43,7 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
     exits 0; `--resume auto` continues; metrics.jsonl then holds each step once, equal to an uninterrupted run's."""
     args = ["train", "--recipe", "demo_cpu", *BASE, "train.save_interval=0", "train.steps=8", "eval.interval=3",
             f"train.run_dir={tmp_path}"]  # fmt: skip
-    dapo(*args, "train.name=straight")
-    straight = {r["step"]: r for r in metrics(tmp_path / "straight")}
+    reference = dapo_started(tmp_path / "straight.log", *args, "train.name=straight")
 
     run = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "megatron_dapo.cli", *args, "train.name=stopped"]
@@ -61,6 +60,8 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
     assert not (run / "hf").exists()  # the final export waits for the real end
 
     resumed = dapo(*args, "train.name=stopped")  # --resume auto is the default
+    dapo_finished(reference)
+    straight = {r["step"]: r for r in metrics(tmp_path / "straight")}
     assert f"resuming from {run}/checkpoints/step_{stopped_at:06d} (step {stopped_at})" in resumed.stdout
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 9))  # appended, each step once

@@ -59,6 +59,23 @@ def dapo(*args, nproc=1, timeout=600, check=True):
     return proc
 
 
+def dapo_started(log: Path, *args) -> subprocess.Popen:
+    """``dapo ARGS`` in the background, e.g. a reference run beside the run under test (each takes one core: ENV sets
+    OMP_NUM_THREADS=1); its output goes to ``log``. Wait for it with ``dapo_finished``."""
+    out = open(log, "w")  # noqa: SIM115 (closed by dapo_finished; a pipe could fill and block the run)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_dapo.cli", *args], cwd=REPO, env=ENV, stdout=out,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc.log = out
+    return proc
+
+
+def dapo_finished(proc: subprocess.Popen, timeout: float = 600) -> None:
+    proc.wait(timeout=timeout)
+    proc.log.close()
+    if proc.returncode != 0:
+        pytest.fail(f"dapo {proc.args[3:]} exited {proc.returncode}:\n{Path(proc.log.name).read_text()[-5000:]}")
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -117,8 +134,7 @@ def hf_gap(hf_dir: Path, ref: dict, plant: str | None = None) -> float:
 
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=3", f"train.run_dir={tmp_path}"]
-    dapo(*args, "train.name=straight")
-    straight = metrics(tmp_path / "straight")
+    reference = dapo_started(tmp_path / "straight.log", *args, "train.name=straight")
 
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "megatron_dapo.cli", *args, "train.name=killed"]
@@ -133,6 +149,8 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     proc.wait()
     assert marker.exists(), "the run never wrote its step-2 checkpoint"
     dapo(*args, "train.name=killed", "--resume", "auto")
+    dapo_finished(reference)
+    straight = metrics(tmp_path / "straight")
     resumed = {r["step"]: r for r in metrics(run)}
     assert sorted(resumed) == [1, 2, 3]
     for key, value in straight[2].items():

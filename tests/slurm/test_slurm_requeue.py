@@ -1,6 +1,6 @@
 """Long jobs across allocations, against a real local Slurm: the time-limit signal, the save, the requeue, the resume.
 
-1. Slurm's own time-limit signal (``--signal=B:USR1@90`` on a 2-minute job: sent at once) reaches the trainer through
+1. Slurm's own time-limit signal (``--signal=B:USR1@110`` on a 2-minute job: due at once) reaches the trainer through
    slurm/common.sh and the driver; the job requeues and its next allocation continues (a stand-in trainer).
 2. The real tiny training: the same signal mid-run (sent with ``scancel --batch``, as slurmctld sends it at the time
    limit, but at a moment the test chooses); the two allocations' metrics equal an uninterrupted run's, step for step.
@@ -49,19 +49,19 @@ def wait_requeued_then_done(local_slurm, job: str, timeout: float) -> tuple[str,
 
 @pytest.mark.timeout(300)
 def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
-    """A 2-minute job asking for SIGUSR1 90 s before its limit gets it within Slurm's 30 s check period; the stand-in
+    """A 2-minute job asking for SIGUSR1 110 s before its limit gets it within Slurm's 30 s check period; the stand-in
     trainer sees its stop file, 'saves' step 1 of 2; the job requeues itself; the next allocation gets the signal
     again (same limit) or, failing that, the driver's end-time backstop, saves step 2 and the job completes. The real trainer's part is tests/e2e/test_reliability."""
     run = tmp_path / "runs" / "probe"
     probe = f"{{python}} {HERE}/stop_probe.py --run-dir {run} --wait-s 150 --resume {{resume}}"
-    job = submit(local_slurm, tmp_path, "--nodes=1", "--time=2", "--signal=B:USR1@90", "slurm/dapo_tiny_cpu.sbatch",
+    job = submit(local_slurm, tmp_path, "--nodes=1", "--time=2", "--signal=B:USR1@110", "slurm/dapo_tiny_cpu.sbatch",
                  "--trainer-cmd", probe, "parallel.tp=1", "train.steps=2", "train.name=probe")  # fmt: skip
     state, restarts = wait_requeued_then_done(local_slurm, job, 280)
     out = (tmp_path / "job.out").read_text()  # both allocations (--open-mode=append)
     assert (state, restarts) == ("COMPLETED", 1), out[-5000:]
     records = [json.loads(line) for line in (run / "probe.log").read_text().splitlines()]
     # each allocation stops on Slurm's signal or, should Slurm not send it (observed once on a requeued allocation
-    # of this Slurm 22.05 under load), on the driver's own reading of the end time (DAPO_STOP_BEFORE=60 < 90)
+    # of this Slurm 22.05 under load), on the driver's own reading of the end time (DAPO_STOP_BEFORE=60 < 110)
     assert [(r["restart"], r["argv"]) for r in records] == [("0", ["--resume", "auto"]), ("1", ["--resume", "auto"])]
     reasons = [r["stop"] for r in records]
     assert all(x == "SIGUSR1 to the batch script" or x.startswith("the time limit is ") for x in reasons), records
