@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from megatron_dapo.typed_yaml import ConfigError, from_dict, read_yaml
+from megatron_dapo.typed_yaml import ConfigError, from_dict, read_yaml, resolve_named_yaml
 
 if TYPE_CHECKING:
     from megatron_dapo.config import ParallelConfig
@@ -53,16 +53,7 @@ def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
 
 
 def resolve_arch_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"model config file not found: {path}")
-        return path
-    candidate = MODEL_CONFIGS_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown model config {name_or_path!r}; known: {known} (or give a path to a YAML file)")
-    return candidate
+    return resolve_named_yaml(name_or_path, MODEL_CONFIGS_DIR, "model config", "known")
 
 
 def load_arch(name_or_path: str | Path) -> ArchConfig:

@@ -28,7 +28,7 @@ from megatron_dapo.arch import (  # noqa: F401
     resolve_arch_path,
     validate_arch,
 )
-from megatron_dapo.typed_yaml import ConfigError, from_dict, parse_override, read_yaml, set_dotted
+from megatron_dapo.typed_yaml import ConfigError, from_dict, parse_override, read_yaml, resolve_named_yaml, set_dotted
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECIPES_DIR = PACKAGE_DIR / "recipes"
@@ -236,16 +236,7 @@ class DapoConfig:
 
 def resolve_recipe(name_or_path: str | Path) -> Path:
     """A recipe name (``demo_cpu``) or a path to a YAML file."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"recipe file not found: {path}")
-        return path
-    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown recipe {name_or_path!r}; known recipes: {known} (or give a path to a YAML file)")
-    return candidate
+    return resolve_named_yaml(name_or_path, RECIPES_DIR, "recipe", "known recipes")
 
 
 def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:

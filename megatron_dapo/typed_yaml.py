@@ -117,6 +117,21 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def resolve_named_yaml(name_or_path: str | Path, directory: Path, what: str, known_label: str) -> Path:
+    """``name_or_path`` as a YAML file: a path (``.yaml``/``.yml`` or existing), else ``directory/<name>.yaml``;
+    ``ConfigError`` naming ``what`` (e.g. "recipe") and the names ``directory`` holds (as ``known_label``)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"{what} file not found: {path}")
+        return path
+    candidate = directory / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
+        raise ConfigError(f"unknown {what} {name_or_path!r}; {known_label}: {known} (or give a path to a YAML file)")
+    return candidate
+
+
 def read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
