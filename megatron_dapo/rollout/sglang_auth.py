@@ -44,7 +44,9 @@ def api_key() -> str:
 
 
 def new_api_key() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits in hex: SGLang turns the --config file into command-line flags, where a urlsafe key that
+    begins with "-" (1 in 64) is read as a flag and the server refuses to start."""
+    return secrets.token_hex(32)
 
 
 def write_args_file(path: str | Path, key: str, extra: dict | None = None) -> Path:
@@ -52,6 +54,8 @@ def write_args_file(path: str | Path, key: str, extra: dict | None = None) -> Pa
     import yaml
 
     path = Path(path)
+    if not key or key.startswith("-"):  # SGLang's argparse would read it as a flag (see new_api_key)
+        raise ValueError(f"${API_KEY_ENV}: the SGLang API key must be non-empty and must not begin with '-'")
     if path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{path}: SGLang reads --config files only with a .yaml or .yml suffix")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -64,3 +64,25 @@ def _connections(p: psutil.Process):
         return p.net_connections(kind="inet")
     except (psutil.AccessDenied, psutil.NoSuchProcess):
         return []
+
+
+def test_every_generated_key_survives_sglangs_own_config_parser(tmp_path):
+    """SGLang 0.5.23 turns the --config file into command-line flags (srt/server_args.py ``prepare_server_args``):
+    a key that begins with "-" is read as a flag and the server refuses to start. Ours never begin with one (token_urlsafe
+    keys did, 1 in 64: seen in a bench run), and such a key given in $DAPO_SGLANG_API_KEY is refused first."""
+    import yaml
+    from sglang.srt.server_args import prepare_server_args
+
+    from megatron_dapo.rollout.sglang_auth import new_api_key, write_args_file
+
+    path = tmp_path / "args.yaml"
+    for _ in range(200):
+        key = new_api_key()
+        write_args_file(path, key)
+        args = prepare_server_args(["--model-path", str(tmp_path), "--config", str(path)])
+        assert args.api_key == args.admin_api_key == key
+    path.write_text(yaml.safe_dump({"api-key": "-abc", "admin-api-key": "-abc"}))
+    with pytest.raises(SystemExit):  # what the refusal below prevents
+        prepare_server_args(["--model-path", str(tmp_path), "--config", str(path)])
+    with pytest.raises(ValueError, match="must not begin with '-'"):
+        write_args_file(path, "-abc")
