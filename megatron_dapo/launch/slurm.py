@@ -181,12 +181,11 @@ def _fill(template: str, **values: object) -> list[str]:
 def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
     """The environment of every server task (``srun --export``): T=1 logprobs (the engine's convention), the platform's
     variables and ``rollout.sglang_env``."""
-    from megatron_dapo.rollout.sglang_server import PLATFORMS
+    from megatron_dapo.rollout.sglang_server import PLATFORMS, server_pythonpath
 
     env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(PLATFORMS[cfg.rollout.sglang_device].env)}
-    if cfg.rollout.sglang_pythonpath:  # as SGLangServer does: absolute, ahead of the inherited PYTHONPATH
-        parts = [str(Path(q).resolve()) for q in cfg.rollout.sglang_pythonpath]
-        env["PYTHONPATH"] = os.pathsep.join(parts + [q for q in [os.environ.get("PYTHONPATH")] if q])
+    if cfg.rollout.sglang_pythonpath:
+        env["PYTHONPATH"] = server_pythonpath(cfg.rollout.sglang_pythonpath)
     return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
 
 

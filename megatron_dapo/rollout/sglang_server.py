@@ -158,8 +158,7 @@ class SGLangServer:
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
         self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(self.platform.env), **(env or {})}
         if pythonpath:
-            parts = [str(Path(p).resolve()) for p in pythonpath] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-            self.env["PYTHONPATH"] = os.pathsep.join(parts)
+            self.env["PYTHONPATH"] = server_pythonpath(pythonpath)
         self.attached = url is not None
         if port is None and not self.attached:
             from megatron_dapo.actor.dist import free_port  # lazily: this module's HTTP side needs no torch
@@ -293,6 +292,13 @@ class SGLangServer:
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def server_pythonpath(paths: Sequence[str | Path]) -> str:
+    """A server's PYTHONPATH (``rollout.sglang_pythonpath``): ``paths`` made absolute, ahead of the inherited one; the
+    same for servers this process starts and those the Slurm launcher starts."""
+    parts = [str(Path(p).resolve()) for p in paths] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    return os.pathsep.join(parts)
 
 
 def server_args(cfg) -> list[str]:
