@@ -222,22 +222,12 @@ def _node_local_sync(cfg: DapoConfig):
         route = None
     if route is None:
         return None
-    return NodeLocalSync(route, lambda url: make_weight_sync(cfg, _attached_engine(cfg, url)), control_group())
-
-
-def _attached_engine(cfg: DapoConfig, url: str):
-    """An engine over one running server, for its weight sync only (it never generates)."""
-    import json
-    import os
-
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer
 
-    r = cfg.rollout
-    log = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}").get(url)
-    server = SGLangServer.attach(url, tp_size=r.sglang_tp, device=r.sglang_device, log_path=log)
-    return SGLangEngine([server], dtype=r.dtype or cfg.model.dtype, max_concurrency=4,
-                        server_timeout=r.server_timeout_s, start=False)  # fmt: skip
+    def transport(url: str) -> WeightSync:  # over an engine attached to this node's server (it never generates)
+        return make_weight_sync(cfg, SGLangEngine.from_config(cfg, None, server_urls=[url], start=False))
+
+    return NodeLocalSync(route, transport, control_group())
 
 
 def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):

@@ -108,14 +108,18 @@ class SGLangEngine:
             self.start()
 
     @classmethod
-    def from_config(cls, cfg, model_path: str | Path, tokenizer_info: TokenizerInfo | None = None, log_dir=None):
-        """Attach to ``rollout.server_urls`` or start one local server with the rollout section's settings."""
+    def from_config(
+        cls, cfg, model_path: str | Path | None, tokenizer_info: TokenizerInfo | None = None, log_dir=None,
+        server_urls: Sequence[str] | None = None, start: bool = True,
+    ):  # fmt: skip
+        """Attach to ``server_urls`` (default ``rollout.server_urls``) or start one local server with the rollout
+        section's settings; ``start=False``: neither start nor wait for them."""
         r = cfg.rollout
-        if r.server_urls:
+        urls = list(r.server_urls if server_urls is None else server_urls)
+        if urls:
             logs = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}")  # dapo launch: each server's log file
             servers = [
-                SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u))
-                for u in r.server_urls
+                SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u)) for u in urls
             ]
         else:
             log_path = Path(log_dir) / "sglang_server.log" if log_dir else None
@@ -141,6 +145,7 @@ class SGLangEngine:
             server_timeout=r.server_timeout_s,
             max_restarts_per_step=r.max_restarts_per_step,
             fanout=r.fanout,
+            start=start,
         )
 
     # ------------------------------------------------------------------------------------------------------------------
