@@ -55,17 +55,19 @@ def _router(urls: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def _wait_router(url: str, timeout: float = 60) -> None:
-    import urllib.request
+    """Until the router routes: it answers /health at once, /generate once it has checked its workers."""
+    from megatron_dapo.rollout.engine import RolloutError
+    from megatron_dapo.rollout.sglang_server import http_call
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
+            http_call(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, timeout=10)
+            return
+        except RolloutError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-router at {url} not routing after {timeout:.0f} s: {e}") from e
             time.sleep(0.5)
-    raise RuntimeError(f"sglang-router at {url} not healthy after {timeout:.0f} s")
 
 
 def main() -> None:
