@@ -9,6 +9,16 @@ REPO = Path(__file__).resolve().parents[1]
 AIME = REPO / "data" / "aime-2024.parquet"  # shipped with the repository (data/README.md)
 
 
+def skip_unless_required(what: str, reason: str) -> None:
+    """Skip for ``reason``, unless ``$DAPO_REQUIRE_<WHAT>=1`` (``make test`` sets it, as DAPO_REQUIRE_SGLANG): then the
+    test fails, so CI never skips a Slurm or mount test silently (a non-root ``make test`` fails on purpose; run it as
+    root, or pass ``DAPO_REQUIRE_SLURM=0`` / ``DAPO_REQUIRE_MOUNT=0`` to make)."""
+    var = f"DAPO_REQUIRE_{what.upper()}"
+    if os.environ.get(var) == "1":
+        pytest.fail(f"{var}=1 but: {reason}")
+    pytest.skip(reason)
+
+
 def repo_pythonpath() -> str:
     """PYTHONPATH for a test's child process that runs a script (sys.path[0] = the script's folder): this checkout
     first, not an installed copy of the package (a venv shared with another checkout)."""

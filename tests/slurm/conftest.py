@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, skip_unless_required
 
 SCRIPT = REPO / "tools" / "local_slurm.sh"
 HERE = Path(__file__).resolve().parent
@@ -107,7 +107,7 @@ def _skip_reason() -> str | None:
 def local_slurm():
     reason = _skip_reason()
     if reason:
-        pytest.skip(reason)
+        skip_unless_required("slurm", reason)
     state = Path(tempfile.mkdtemp(prefix="dapo-slurm-test-"))  # short path: the munge socket must fit in 108 bytes
     base = free_port_base()
     cmd = ["bash", str(SCRIPT), "up", "--state", str(state), "--accounting", "--port-base", str(base)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_dapo.launch.slurm import expand_nodelist
-from tests.helpers import REPO
+from tests.helpers import REPO, skip_unless_required
 from tests.slurm.conftest import HERE, SCRIPT, TEST_RECIPE_32B, free_port_base, process_running
 
 pytestmark = pytest.mark.slurm
@@ -353,15 +353,32 @@ def test_nemo_run_driver_on_host_steps_in_container(local_slurm, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_local_slurm_script_refuses_clearly_without_root(tmp_path):
-    """Not root: a clear message and exit 1, both when Slurm is missing (hidden from PATH) and when it is there."""
+    """Not root: a clear message and exit 1, both when Slurm is missing (hidden from PATH) and when it is there.
+
+    ``nobody`` runs a copy of the script in a world-readable folder: the checkout may live where only its owner can
+    read (a clone under /root, or in a ``mktemp -d`` folder, mode 0700)."""
     if os.geteuid() != 0 or not shutil.which("runuser"):
-        pytest.skip("needs root to run the script as another user")
+        skip_unless_required("slurm", "needs root to run the script as another user (runuser)")
+    public = Path(tempfile.mkdtemp(prefix="dapo-local-slurm-", dir="/tmp"))  # not $TMPDIR: it may be private too
+    try:
+        public.chmod(0o755)
+        script = public / SCRIPT.name
+        shutil.copy(SCRIPT, script)
+        script.chmod(0o755)
+        _refuses_without_root(script, tmp_path)
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def _refuses_without_root(script: Path, tmp_path: Path) -> None:
     base = ["runuser", "-u", "nobody", "--"]
-    up = ["bash", str(SCRIPT), "up", "--state", str(tmp_path / "s")]
-    missing = subprocess.run([*base, "env", "PATH=/usr/bin:/bin", *up], capture_output=True, text=True, timeout=30)
+    up = ["bash", str(script), "up", "--state", str(tmp_path / "s")]
+    missing = subprocess.run(
+        [*base, "env", "PATH=/usr/bin:/bin", *up], capture_output=True, text=True, timeout=30, cwd=script.parent
+    )
     assert missing.returncode == 1 and "Slurm is not installed" in missing.stderr and "needs root" in missing.stderr
     assert "apt-get install" in missing.stderr
-    present = subprocess.run([*base, *up], capture_output=True, text=True, timeout=30)
+    present = subprocess.run([*base, *up], capture_output=True, text=True, timeout=30, cwd=script.parent)
     if shutil.which("slurmctld"):
         assert present.returncode == 1 and "must run as root" in present.stderr
     assert not (tmp_path / "s").exists()
