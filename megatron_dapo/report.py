@@ -48,11 +48,18 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Reward / accuracy (train rollouts)", "mean", r"train/((?:reward|acc|score)_mean)"),
     PanelSpec("Eval avg@k", "accuracy", r"eval/(.+)/avg@\d+", smooth=False),
     PanelSpec("Eval pass@k / maj@k", "fraction of problems", r"eval/(.+/(?:pass|maj)@\d+)", smooth=False),
-    PanelSpec("Response length", "tokens", r"train/(response_len\w*)"),
+    PanelSpec(
+        "Response length",
+        "tokens per response",
+        r"train/(response_len\w*)",
+        right=r"train/(logp_gap_tokens)",  # the tokens the gap was measured on: a count, not nats
+        right_ylabel="response tokens per step",
+    ),
     PanelSpec("Entropy", "nats / token", r"train/(entropy\w*)"),
     PanelSpec("Clip fractions", "fraction of tokens", r"train/(clip_frac\w*)"),
     PanelSpec("PPO KL (old -> new)", "KL", r"train/(ppo_kl\w*)"),
-    PanelSpec("Logp gap |rollout - actor|", "nats / token", r"train/(logp_gap\w*)"),
+    # The gap is ~1e-7 on CPU and ~1e-2 in bf16/FP8: a log scale shows both; exact zeros go on a linear band.
+    PanelSpec("Logp gap |rollout - actor|", "nats / token", r"train/(logp_gap_(?:mean|max))", logy=True),
     PanelSpec(
         "Dynamic sampling",
         "kept groups",
@@ -114,6 +121,18 @@ def _draw(ax, series, smooth: bool, color_offset: int = 0, linestyle: str = "-")
     return handles
 
 
+def _log_scale(ax, values: list[float]) -> None:
+    """Log y-axis; with zeros among the values (an exact match), symlog with a linear band below the smallest
+    positive value, so the zeros stay on the plot instead of vanishing."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return
+    if len(positive) == len(values):
+        ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=min(positive))
+
+
 def plot_metrics(records: list[dict], title: str = "") -> Figure:
     """The report figure for ``records`` (as returned by ``read_metrics``); one titled subplot per group present."""
     panels = [
@@ -148,8 +167,8 @@ def plot_metrics(records: list[dict], title: str = "") -> Figure:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if steps and max(steps) - min(steps) < 2:  # one or two steps: widen, so the ticks are whole steps
             ax.set_xlim(min(steps) - 1, max(steps) + 1)
-        if spec.logy and all(v > 0 for s in left for v in s[3]):
-            ax.set_yscale("log")
+        if spec.logy:
+            _log_scale(ax, [v for s in left for v in s[3]])
         if right:  # twin axis: each y label takes its curve's colour instead of a legend over the data
             ax2 = ax.twinx()
             right_handles = _draw(ax2, right, spec.smooth, color_offset=len(left), linestyle="-")

@@ -153,3 +153,32 @@ def test_main_prints_the_path(tmp_path, capsys):
     out = tmp_path / "sub" / "r.png"
     assert main([str(tmp_path), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out) and out.stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_logp_gap_is_visible_on_a_log_scale_and_token_counts_live_elsewhere():
+    """A CPU run logs a gap of ~1e-7 nats beside ~6,000 tokens: on one linear axis the gap is a flat line at 0."""
+    rng = np.random.default_rng(0)
+    records = [
+        {
+            "step": s,
+            "train/response_len_mean": 20.0 + s,
+            "train/logp_gap_mean": float(6e-7 * (1 + rng.random())),
+            "train/logp_gap_max": float(4e-4 * (1 + rng.random())),
+            "train/logp_gap_tokens": 6000.0 + s,
+        }
+        for s in range(1, 11)
+    ]
+    fig = plot_metrics(records)
+    gap = _panel(fig, "Logp gap")
+    assert gap.get_yscale() == "log"
+    assert {line.get_label() for line in gap.get_lines()} == {"logp_gap_mean", "logp_gap_max"}
+    low, high = gap.get_ylim()
+    assert low < 6e-7 and high < 1e-2  # the mean's curve is inside the axis, not squashed under a token count
+    # the token count is drawn on the response-length panel's own (twin) axis
+    twins = [ax for ax in fig.axes if not ax.get_title() and ax.get_ylabel() == "response tokens per step"]
+    assert len(twins) == 1 and [line.get_label() for line in twins[0].get_lines()] == ["logp_gap_tokens"]
+
+    # an exact match (gap 0 on some steps) keeps those points on the plot: symlog, not a log axis that drops them
+    records[0]["train/logp_gap_mean"] = 0.0
+    assert _panel(plot_metrics(records), "Logp gap").get_yscale() == "symlog"
