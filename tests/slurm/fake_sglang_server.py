@@ -8,7 +8,9 @@ on CPU cores (~30 s and ~2.4 GB per start) is tested in tests/sglang.
 Serves ``GET /health`` (200) until SIGTERM. ``--fail-on NODE`` makes the copy on Slurm node NODE exit with
 ``--code`` after ``--fail-after`` seconds (healthy until then), as a crashing server would. ``--pid-dir`` records each copy's pid
 so that tests can check that the launcher stopped the healthy ones. ``--load-s S`` prints a progress bar (carriage
-returns, as SGLang's weight loading does) for S seconds before it listens.
+returns, as SGLang's weight loading does) for S seconds before it listens. ``--config FILE`` (the job's server-args
+YAML, as SGLang's): its keys are printed as SGLang 0.5.23 prints its ``server_args`` at start-up, API key included,
+so a launcher test sees the key in the log unless the ``sglang_auth`` wrapper redacts it.
 """
 
 import argparse
@@ -41,8 +43,14 @@ def main() -> int:
     ap.add_argument("--pid-dir")
     ap.add_argument("--load-s", type=float, default=0.0)
     ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", "?"), help="default: the Slurm node")
+    ap.add_argument("--config")
     args = ap.parse_args()
     node = args.node
+    if args.config:  # what SGLang logs (srt/entrypoints/engine.py): the server_args, secrets in the clear
+        import yaml
+
+        conf = yaml.safe_load(Path(args.config).read_text())
+        print("server_args=" + repr({k.replace("-", "_"): v for k, v in conf.items()}), flush=True)
     if args.pid_dir:
         Path(args.pid_dir).mkdir(parents=True, exist_ok=True)
         Path(args.pid_dir, f"server-{node}.pid").write_text(str(os.getpid()))

@@ -293,9 +293,13 @@ def test_supervisor_fails_fast_and_tears_down(tmp_path, python):
 
 @pytest.mark.timeout(60)
 def test_supervisor_success_stops_servers(tmp_path, python):
+    """The server runs behind the real wrapper (rollout/sglang_auth.py) and prints the key as SGLang does: the key's
+    value must be in no log, no command line and no environment of the server; SIGTERM reaches it through the wrapper.
+    """
     port = free_port()
     pids = tmp_path / "pids"
-    server = f"{{python}} {HERE}/fake_sglang_server.py --port {{port}} --node {{node}} --pid-dir {pids}"
+    server = (f"{{python}} -m megatron_dapo.rollout.sglang_auth {{python}} {HERE}/fake_sglang_server.py --port {{port}} "
+              f"--node {{node}} --pid-dir {pids} --config {{args_file}}")  # fmt: skip
     plan = plan_for(
         *ONE_NODE, f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server
     )
@@ -306,12 +310,15 @@ def test_supervisor_success_stops_servers(tmp_path, python):
              f"f = '{plan.server_args_file}'; assert stat.S_IMODE(os.stat(f).st_mode) == 0o600; "
              f"assert yaml.safe_load(open(f)) == {{'api-key': key, 'admin-api-key': key}}; "
              f"pid = open('{pids}/server-node1.pid').read().strip(); "
-             f"assert b'DAPO_SGLANG_API_KEY' not in open(f'/proc/{{pid}}/environ', 'rb').read(); "
+             f"assert key.encode() not in open(f'/proc/{{pid}}/environ', 'rb').read(), 'key in the server env'; "
+             f"assert key.encode() not in open(f'/proc/{{pid}}/cmdline', 'rb').read(), 'key on its command line'; "
              f"open('{tmp_path}/key', 'w').write(key)")  # fmt: skip
     plan.trainer.srun = [python, "-c", probe]
     assert Supervisor(plan, poll_s=0.1).run() == 0
     key = (tmp_path / "key").read_text()
     assert len(key) >= 32 and not Path(plan.server_args_file).exists(), "the key file outlived the job"
+    server_log = Path(plan.log_dir, f"{plan.servers[0].name}.srun.log").read_text()  # no srun: its output is here
+    assert "'api_key': '<redacted>'" in server_log, "the server printed its server_args: the wrapper redacts them"
     for f in Path(plan.log_dir).iterdir():
         assert key not in f.read_text(errors="replace"), f"the key is in {f}"
     pid = int((pids / "server-node1.pid").read_text())
@@ -428,3 +435,33 @@ def test_each_rank_learns_the_engine_on_its_own_gpus():
     assert [s["DAPO_LOCAL_SERVER_URL"] for s in seen] == [u for u in urls for _ in range(4)]
     # the first rank of each engine's four posts its weights (placement.SyncRoute.poster): ranks 0, 4, 8, 12
     assert [r for r, s in enumerate(seen) if s["DAPO_LOCAL_SERVER_POSTER"] == "1"] == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    "override, culprit, because",
+    [
+        # issue 22 #3: a data-parallel server fails every weight update (SGLang asserts dp_size == 1); the quoted and
+        # the bare form (once refused as "expected a string") alike
+        ('rollout.sglang_args=[--dp-size, "2"]', "rollout.sglang_args", "asserts dp_size == 1"),
+        ("rollout.sglang_args=[--dp-size, 2]", "rollout.sglang_args", "asserts dp_size == 1"),
+        # issue 22 #2: colocated servers share the trainer's GPUs: one NCCL group, two ranks on one device
+        ("rollout.weight_sync=distributed", "rollout.weight_sync", "NCCL refuses two ranks"),
+    ],
+)
+def test_a_launch_the_servers_cannot_serve_is_refused_before_any_job_step(override, culprit, because, tmp_path,
+                                                                          monkeypatch, capsys):  # fmt: skip
+    from megatron_dapo.launch.slurm import main
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 30\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")  # inside an allocation, not a dry run
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    rc = main(["--recipe", R32, "--log-dir", str(tmp_path / "logs"), "--health-timeout", "1", *ONE_NODE, override])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{culprit} = " in err and because in err, err
+    assert not calls.exists(), calls.read_text()  # no srun: no server step, no trainer step
