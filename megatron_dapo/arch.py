@@ -27,7 +27,7 @@ class ArchConfig:
     """A decoder-only transformer architecture, in the terms HF config.json and megatron-core share."""
 
     name: str = "tiny"
-    family: Literal["qwen2", "llama"] = "qwen2"  # selects the bridge mapping table
+    family: Literal["qwen2", "llama", "qwen3"] = "qwen2"  # selects the bridge mapping table
     num_layers: int = 2
     hidden_size: int = 128
     ffn_hidden_size: int = 512
@@ -40,6 +40,7 @@ class ArchConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = True
     tie_embeddings: bool = True
+    qk_layernorm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3's q_norm / k_norm)
 
     @property
     def head_dim(self) -> int:
@@ -52,13 +53,30 @@ def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
+# Whether a family has per-head q/k RMSNorm: fixed by the family (its HF config has no switch for it).
+FAMILY_QK_LAYERNORM = {"qwen2": False, "llama": False, "qwen3": True}
+# Families we recognise but do not train, with what is missing (HF model_type or a model config's ``family``).
+UNSUPPORTED_FAMILIES = {
+    "qwen3_moe": "Qwen3-MoE (Qwen3MoeForCausalLM) is not supported: it needs expert parallelism and bridge mappings "
+    "for the router and the experts, which megatron-dapo does not have yet; use a dense Qwen3 "
+    "(model_configs/qwen3-0.6b, qwen3-8b, qwen3-32b)",
+}
+
+
+def refuse_unsupported_family(family: object, source: str, key: str = "family") -> None:
+    if family in UNSUPPORTED_FAMILIES:
+        raise ConfigError(f"{source}: {key} = {family!r}: {UNSUPPORTED_FAMILIES[family]}")
+
+
 def resolve_arch_path(name_or_path: str | Path) -> Path:
     return resolve_named_yaml(name_or_path, MODEL_CONFIGS_DIR, "model config", "known")
 
 
 def load_arch(name_or_path: str | Path) -> ArchConfig:
     path = resolve_arch_path(name_or_path)
-    arch = from_dict(ArchConfig, read_yaml(path), str(path))
+    data = read_yaml(path)
+    refuse_unsupported_family(data.get("family"), str(path))
+    arch = from_dict(ArchConfig, data, str(path))
     validate_arch(arch, str(path))
     return arch
 
@@ -77,12 +95,19 @@ def validate_arch(a: ArchConfig, source: str) -> None:
         raise bad("hidden_size", f"must be divisible by num_attention_heads ({a.num_attention_heads})")
     if a.num_attention_heads % a.num_query_groups:
         raise bad("num_query_groups", f"must divide num_attention_heads ({a.num_attention_heads})")
+    if a.qk_layernorm != FAMILY_QK_LAYERNORM[a.family]:
+        want = FAMILY_QK_LAYERNORM[a.family]
+        what = "has per-head q/k RMSNorm (q_norm, k_norm)" if want else "has no q/k norm"
+        raise bad("qk_layernorm", f"family {a.family} {what}: set qk_layernorm: {str(want).lower()}")
+
+
+_ARCH_FLOATS = ("rope_theta", "norm_eps")
 
 
 def compare_arch(expected: ArchConfig, actual: ArchConfig, source: str) -> None:
     """Raise naming the first field where two architectures differ (layers, hidden, heads, KV groups, vocab, tie, bias,
-    RoPE base, norm epsilon)."""
-    for name in ("family", *_ARCH_SIZES, "tie_embeddings", "qkv_bias", "head_dim", "rope_theta", "norm_eps"):
+    q/k norm, head dim, RoPE base, norm epsilon)."""
+    for name in ("family", *_ARCH_SIZES, "tie_embeddings", "qkv_bias", "qk_layernorm", "head_dim", *_ARCH_FLOATS):
         a, b = getattr(expected, name), getattr(actual, name)
         if isinstance(a, float) or isinstance(b, float):  # e.g. rms_norm_eps stored as float32 (9.9999997e-06)
             if not math.isclose(float(a), float(b), rel_tol=1e-6):

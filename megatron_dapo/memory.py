@@ -38,9 +38,11 @@ def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
 
 
 def layer_params(arch: ArchConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias."""
+    """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias + the per-head q/k
+    RMSNorm weights (Qwen3: [head_dim] each, replicated)."""
     qkv_bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim // tp if arch.qkv_bias else 0
-    return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias
+    qk_norm = 2 * arch.head_dim if arch.qk_layernorm else 0
+    return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias + qk_norm
 
 
 def count_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, padded_vocab: int | None = None) -> int:

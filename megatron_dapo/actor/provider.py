@@ -109,7 +109,8 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim,
+        kv_channels=arch.head_dim,  # explicit: Qwen3's head_dim (128) is not hidden / heads on 0.6B and 32B
+        qk_layernorm=arch.qk_layernorm,  # Qwen3: per-head RMSNorm on q and k (the spec builds them: layer_spec)
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         add_bias_linear=False,
@@ -143,12 +144,14 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
     )
 
 
-def layer_spec(model_cfg: ModelConfig):
+def layer_spec(model_cfg: ModelConfig, qk_layernorm: bool = False):
+    """The layer spec; ``qk_layernorm`` adds ``self_attention.q_layernorm`` / ``k_layernorm`` (TENorm in the TE spec,
+    torch RMSNorm in the local one: megatron-core 0.16.1 gpt_layer_specs.py, both ``get_gpt_layer_*_spec``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine(model_cfg):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(fp8=model_cfg.fp8)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(fp8=model_cfg.fp8, qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 def position_embedding_type(model_cfg: ModelConfig) -> str:
@@ -175,7 +178,7 @@ def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConf
     config = transformer_config(arch, model_cfg, parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg),
+        transformer_layer_spec=layer_spec(model_cfg, arch.qk_layernorm),
         vocab_size=padded_vocab_size(arch.vocab_size, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

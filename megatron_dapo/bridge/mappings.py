@@ -285,14 +285,30 @@ def _order(name: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Tables (Qwen2 and Llama share the HF naming of the decoder; they differ in which mappings are active)
+# Tables (Qwen2, Llama and Qwen3 share the HF naming of the decoder; they differ in which mappings are active)
 
 
 def _h(a: ArchConfig) -> tuple[int, ...]:
     return (a.hidden_size,)
 
 
-def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool]) -> tuple[Mapping, ...]:
+def _head(a: ArchConfig) -> tuple[int, ...]:
+    return (a.head_dim,)
+
+
+def _qk_norm_mappings() -> tuple[Mapping, ...]:
+    """Per-head RMSNorm on q and k (Qwen3): one [head_dim] weight each, shared by all heads, replicated over TP.
+    megatron-core ``qk_layernorm=True`` builds ``self_attention.q_layernorm`` / ``k_layernorm`` with the same names in
+    the TE spec (TENorm) and the local spec (WrappedTorchNorm) (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py,
+    ``SelfAttentionSubmodules(q_layernorm=..., k_layernorm=...)`` in both ``get_gpt_layer_*_spec``)."""
+    attn = "model.layers.*.self_attn"
+    return (
+        AutoMapping("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", _head),
+        AutoMapping("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", _head),
+    )
+
+
+def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mapping, ...] = ()) -> tuple[Mapping, ...]:
     attn = "model.layers.*.self_attn"
     return (
         AutoMapping(
@@ -318,6 +334,7 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool]) -> tuple[Mapping, 
             bias=True,
             when=qkv_bias,
         ),
+        *extra,
         AutoMapping(
             "decoder.layers.*.self_attention.linear_proj.weight",
             f"{attn}.o_proj.weight",
@@ -348,10 +365,12 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool]) -> tuple[Mapping, 
     )
 
 
-# Qwen2 always has QKV bias (hf_config.arch_from_hf sets qkv_bias); Llama has it when ``attention_bias`` is set.
+# Qwen2 always has QKV bias (hf_config.arch_from_hf sets qkv_bias); Llama and Qwen3 when ``attention_bias`` is set
+# (never in the published Qwen3). Qwen3 adds q_norm / k_norm; its head_dim comes from ArchConfig.kv_channels.
 QWEN2 = MappingTable("qwen2", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias))
 LLAMA = MappingTable("llama", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias))
-TABLES: dict[str, MappingTable] = {t.family: t for t in (QWEN2, LLAMA)}
+QWEN3 = MappingTable("qwen3", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias, extra=_qk_norm_mappings()))
+TABLES: dict[str, MappingTable] = {t.family: t for t in (QWEN2, LLAMA, QWEN3)}
 
 
 def table_for(arch_or_family: ArchConfig | str) -> MappingTable:

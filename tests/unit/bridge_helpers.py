@@ -43,6 +43,18 @@ LLAMA_TINY = ArchConfig(
     tie_embeddings=True,
 )
 
+# Random tiny Qwen3s: per-head q/k RMSNorm, no QKV bias, head_dim != hidden / heads (24 vs 16; 16 vs 8); untied / tied.
+QWEN3_TINY = ArchConfig(
+    name="qwen3-tiny", family="qwen3", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+    num_query_groups=2, kv_channels=24, vocab_size=300, max_position_embeddings=128, rope_theta=1000000.0,
+    norm_eps=1e-6, qkv_bias=False, qk_layernorm=True, tie_embeddings=False,
+)  # fmt: skip
+QWEN3_TINY_TIED = ArchConfig(
+    name="qwen3-tiny-tied", family="qwen3", num_layers=2, hidden_size=48, ffn_hidden_size=64, num_attention_heads=6,
+    num_query_groups=2, kv_channels=16, vocab_size=200, max_position_embeddings=128, rope_theta=1000000.0,
+    norm_eps=1e-6, qkv_bias=False, qk_layernorm=True, tie_embeddings=True,
+)  # fmt: skip
+
 
 def make_hf_model(arch: ArchConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised ``transformers`` model of the architecture (norm weights randomised too)."""
