@@ -319,6 +319,32 @@ def save_config(cfg: DapoConfig, path: str | Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# SGLang server flags the weight sync cannot work with
+
+# every weight-update endpoint of SGLang 0.5.23 asserts get_parallel().dp_size == 1 (sglang/srt/managers/
+# tokenizer_control_mixin.py: init_weights_update_group, update_weights_from_distributed/_tensor/_ipc, ...)
+DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
+
+
+def sglang_data_parallel(args: list[str] | tuple[str, ...]) -> str | None:
+    """The flag in ``args`` that makes an SGLang server data-parallel (``--dp-size 2``, ``--dp=2``, or an abbreviation
+    SGLang's argparse accepts, ``--dp-s 2``), as written; None if there is none. One check for the servers the trainer
+    starts (``sglang_server.SGLangServer``) and those ``dapo launch`` starts (config validation, before any step)."""
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        full = len(flag) >= 4 and any(f.startswith(flag) for f in DP_FLAGS)  # argparse takes unique prefixes
+        if not full:
+            continue
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "1")
+        try:
+            if int(value) > 1:
+                return f"{flag} {value}"
+        except ValueError:
+            continue  # not a size: SGLang's own parser refuses it
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Validation of a whole run configuration
 
 
@@ -402,6 +428,30 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
     if r.engine == "sglang" and r.weight_sync == "copy":
         fail("rollout.weight_sync", r.weight_sync, "sglang needs tensor, distributed or disk")
+    dp_flag = sglang_data_parallel(r.sglang_args)
+    if dp_flag:
+        fail(
+            "rollout.sglang_args",
+            r.sglang_args,
+            f"{dp_flag}: every weight update of SGLang asserts dp_size == 1 (tokenizer_control_mixin.py); for more "
+            "replicas use more servers: dapo launch starts one per rollout.sglang_tp GPUs, or list them in "
+            "rollout.server_urls",
+        )
+    if r.engine == "sglang" and r.colocate and r.sglang_device == "cuda" and r.weight_sync == "distributed":
+        fail(
+            "rollout.weight_sync",
+            r.weight_sync,
+            "with rollout.colocate = true the sync group would hold trainer rank 0 and SGLang's TP rank 0 on one "
+            "GPU, and NCCL refuses two ranks of a group on one device: use rollout.weight_sync=tensor (CUDA IPC, "
+            "for colocated servers) or disk, or rollout.colocate=false with cluster.placement=disaggregated",
+        )
+    if r.control_timeout_s < r.server_timeout_s:
+        fail(
+            "rollout.control_timeout_s",
+            r.control_timeout_s,
+            f"the other ranks wait this long on the control plane while rank 0 starts its servers: must be >= "
+            f"rollout.server_timeout_s ({r.server_timeout_s})",
+        )
     for kv in r.sglang_env:
         if "=" not in kv or not kv.split("=", 1)[0]:
             fail("rollout.sglang_env", kv, "entries are KEY=VALUE")

@@ -52,6 +52,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             else:
                 raise ConfigError(f"{source}: {key} = {value!r}: expected a list")
         (item_tp,) = typing.get_args(tp)
+        if item_tp is str:  # [--max-total-tokens, 8192]: YAML reads the bare number as a number; it is its text
+            value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -79,7 +79,6 @@ PLATFORMS = {
         sharing_strategy="file_system",
     ),
 }  # fmt: skip
-DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
 
 
 class ServerUnavailable(RolloutError):
@@ -320,16 +319,16 @@ def server_args(cfg) -> list[str]:
 
 def _refuse_data_parallel(args: Sequence[str]) -> None:
     """SGLang's weight-update endpoints assert ``dp_size == 1`` (sglang/srt/managers/tokenizer_control_mixin.py): a
-    server with ``--dp-size > 1`` would fail every sync. Start one server per rollout TP group instead."""
-    for i, arg in enumerate(args):
-        flag, _, value = arg.partition("=")
-        if flag in DP_FLAGS:
-            value = value or (args[i + 1] if i + 1 < len(args) else "1")
-            if int(value) > 1:
-                raise ValueError(
-                    f"SGLang server argument {flag} {value}: every weight-update endpoint of SGLang 0.5 asserts "
-                    "dp_size == 1; start one server per rollout TP group instead"
-                )
+    server with ``--dp-size > 1`` would fail every sync. The check config validation runs for ``dapo launch``'s servers
+    (``config.sglang_data_parallel``); start one server per rollout TP group instead."""
+    from megatron_dapo.config import sglang_data_parallel
+
+    flag = sglang_data_parallel(list(args))
+    if flag:
+        raise ValueError(
+            f"SGLang server argument {flag}: every weight-update endpoint of SGLang 0.5 asserts "
+            "dp_size == 1; start one server per rollout TP group instead"
+        )
 
 
 _STARTED: set[SGLangServer] = set()  # running servers this process started (strong refs: stopped even when dropped)

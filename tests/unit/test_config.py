@@ -160,3 +160,44 @@ def test_a_recipe_can_start_from_another(tmp_path):
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ConfigError, match="include each other"):
         load_config(loop)
+
+
+# issue 22 #2: colocated servers and the trainer share the GPUs; one NCCL group cannot hold two ranks on one device
+def test_colocated_distributed_sync_is_refused_naming_the_keys_and_the_alternative():
+    gpu = ["model.hf_init=/m", "rollout.colocate=true", "rollout.weight_sync=distributed"]
+    with pytest.raises(ConfigError) as e:
+        load_config("dapo_7b", gpu)
+    msg = str(e.value)
+    assert "rollout.weight_sync = 'distributed'" in msg and "rollout.colocate = true" in msg
+    assert "NCCL refuses two ranks" in msg and "rollout.weight_sync=tensor (CUDA IPC" in msg
+    assert "cluster.placement=disaggregated" in msg
+    # what stays accepted: tensor/disk colocated, distributed when disaggregated, distributed between CPU processes
+    load_config("dapo_7b", ["model.hf_init=/m", "rollout.weight_sync=tensor"])
+    load_config("dapo_7b", ["model.hf_init=/m", "rollout.weight_sync=disk"])
+    load_config("dapo_7b", ["rollout.colocate=false", "rollout.weight_sync=distributed", "cluster.nodes=2",
+                            "cluster.placement=disaggregated", "cluster.rollout_nodes=1"])  # fmt: skip
+    load_config("demo_cpu_sglang", ["rollout.colocate=true", "rollout.weight_sync=distributed"])
+
+
+# issue 22 #3: SGLang asserts dp_size == 1 in every weight update; the check every path runs (before any server)
+@pytest.mark.parametrize("args", [["--dp-size", 2], ["--dp-size", "2"], ["--dp=4"], ["--data-parallel-size", "2"],
+                                  ["--dp-s", "2"], ["--max-total-tokens", 8192, "--dp", 2]])  # fmt: skip
+def test_data_parallel_sglang_args_are_refused(args):
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_args = .*: --d.* every weight update of SGLang asserts "
+                       r"dp_size == 1 \(tokenizer_control_mixin\.py\)"):  # fmt: skip
+        load_config("demo_cpu_sglang", [f"rollout.sglang_args={args}".replace("'", "")])
+
+
+def test_sglang_args_take_bare_numbers_as_written():
+    # [--dp-size, 2] used to be refused as "rollout.sglang_args[1] = 2: expected a string"
+    cfg = load_config("demo_cpu_sglang", ["rollout.sglang_args=[--max-total-tokens, 8192, --dp-size, 1, --x, 0.5]"])
+    assert cfg.rollout.sglang_args == ["--max-total-tokens", "8192", "--dp-size", "1", "--x", "0.5"]
+    for ok in (["--attn-dp-size", "2"], ["--dp-size", "1"], ["--dtype", "bfloat16"]):
+        load_config("demo_cpu_sglang", [f"rollout.sglang_args=[{', '.join(ok)}]"])
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_args\[0\] = True: expected a string"):
+        load_config("demo_cpu_sglang", ["rollout.sglang_args=[true]"])
+
+
+def test_the_control_plane_outwaits_the_server_start():
+    with pytest.raises(ConfigError, match=r"rollout\.control_timeout_s = 60\.0: .* rollout\.server_timeout_s"):
+        load_config("demo_cpu", ["rollout.control_timeout_s=60", "rollout.server_timeout_s=600"])
