@@ -10,6 +10,7 @@ internals.
 from __future__ import annotations
 
 import datetime
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,12 +146,20 @@ class RolloutDriver:
             model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
             save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
         self.node_sync = _node_local_sync(cfg)  # colocated on several nodes: each node feeds its own engines
-        if is_driver():
+
+        def start() -> None:
+            if self.node_sync is None:
+                check_tensor_sync_reach(cfg)
             self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
             # per node, rank 0's transport reaches only its own engine (what ``resync`` may restart)
             self.sync = self.node_sync.local if self.node_sync else make_weight_sync(cfg, self.engine)
             if hasattr(self.engine, "resync"):
                 self.engine.resync = self.resync
+
+        # The other ranks wait here, on the control plane, not in the first export's collective of the default group
+        # (NCCL, parallel.collective_timeout_s, 10 min): rank 0's server start waits up to rollout.server_timeout_s
+        # for its health (a 32B load can take longer). An error starting it reaches every rank (DriverError).
+        on_driver(start)
 
     def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
         from megatron_dapo.bridge.export import export_hf_tensors
@@ -201,6 +210,43 @@ class RolloutDriver:
             self.sync.close()
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
+
+
+def _is_this_node(host: str) -> bool:
+    """``host`` names an address of this machine: loopback, or one a socket can bind to (only local ones can)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        if addr[0].startswith("127.") or addr[0] == "::1":
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_tensor_sync_reach(cfg: DapoConfig, is_this_node=_is_this_node) -> None:
+    """Rank 0 alone sends ``tensor`` syncs: CUDA IPC handles (shared-memory files on a CPU), which open only on the
+    node that made them (torch/multiprocessing/reductions.py ``rebuild_cuda_tensor`` -> cudaIpcOpenMemHandle). A
+    server URL on another node (torchrun + rollout.server_urls across nodes) is a ConfigError naming what works."""
+    from urllib.parse import urlsplit
+
+    r = cfg.rollout
+    if r.engine != "sglang" or r.weight_sync != "tensor":
+        return
+    away = [u for u in r.server_urls if not is_this_node(urlsplit(u).hostname or "")]
+    if away:
+        raise ConfigError(
+            f"rollout.weight_sync = 'tensor' with rollout.server_urls {away} not on this node "
+            f"({socket.gethostname()}): rank 0 sends CUDA IPC handles, which open only on their own node; launch with "
+            "`dapo launch` (colocated: each node's ranks sync their own node's servers), or use "
+            "rollout.weight_sync=distributed (or disk) for servers on other nodes"
+        )
 
 
 def _node_local_sync(cfg: DapoConfig):
