@@ -82,6 +82,24 @@ def _stub_plan(tmp_path: Path, steps: int, **extra):
     return plan
 
 
+def when_trainer_started(sup: Supervisor, action, timeout: float = 50) -> threading.Thread:
+    """Run ``action`` once the supervisor has started its trainer step, so after it installed its SIGUSR1 handler and
+    removed a stale stop file: a signal sent after a fixed delay would end pytest itself (the default action of
+    SIGUSR1) on a machine slow enough that the handler is not there yet."""
+
+    def wait_then_act():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(step.role == "trainer" for step, _proc, _log in list(sup.procs)):
+                action()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("steps, code", [(5, EXIT_RESUMABLE), (1, 0)])
 def test_sigusr1_reaches_the_trainer_and_the_exit_code_says_resumable(tmp_path, steps, code):
@@ -93,12 +111,8 @@ def test_sigusr1_reaches_the_trainer_and_the_exit_code_says_resumable(tmp_path, 
     lines: list[str] = []
     sup = Supervisor(plan, poll_s=0.05)
     sup.say = lines.append
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
-    timer.start()
-    try:
-        assert sup.run() == code, "\n".join(lines)
-    finally:
-        timer.cancel()
+    when_trainer_started(sup, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+    assert sup.run() == code, "\n".join(lines)
     text = "\n".join(lines)
     assert "stop requested (SIGUSR1): the trainer saves after its current step and stops" in text
     assert Path(plan.run_dir, "checkpoints", "step_000001", "dapo_meta.json").is_file()
@@ -118,12 +132,8 @@ def test_signal_file_of_the_batch_shell_is_relayed(tmp_path, monkeypatch):
     lines: list[str] = []
     sup = Supervisor(plan, poll_s=0.05)
     sup.say = lines.append
-    timer = threading.Timer(1.0, signal_file.touch)
-    timer.start()
-    try:
-        assert sup.run() == EXIT_RESUMABLE, "\n".join(lines)
-    finally:
-        timer.cancel()
+    when_trainer_started(sup, signal_file.touch)
+    assert sup.run() == EXIT_RESUMABLE, "\n".join(lines)
     assert "stop requested (SIGUSR1 to the batch script)" in "\n".join(lines)
 
 
