@@ -22,6 +22,7 @@ from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.logprobs import token_logprobs
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
+from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
 from megatron_dapo.algo.loss import (
     LOSS_METRIC_REDUCTIONS,
     combine_loss_metrics,
@@ -293,12 +294,11 @@ class MegatronActor:
         indices = [i for r in rows for i in r]
         chosen = [seqs[i] for i in indices]
         layout = pack_sequences([s.tokens for s in chosen], self.geometry)
-        # per POSITION: context parallelism slices every array with the tokens (megatron-core's THD split)
+        # per POSITION: context parallelism slices every array with the tokens (megatron-core 0.16.1's THD split,
+        # vendored in actor/thd_cp.py: 0.19 slices only tokens/labels/loss_mask/position_ids)
         per_position = per_position_arrays(chosen, indices, layout.offsets, layout.total_tokens)
         batch = {"tokens": layout.tokens, "position_ids": layout.position_ids}
         batch.update({k: v.view(layout.tokens.shape) for k, v in per_position.items()})
-        from megatron.core.utils import get_thd_batch_on_this_cp_rank
-
         cu_seqlens = layout.cu_seqlens.to(self.device)
         # the same tensor object when nothing is padded: TE then keeps its FlashAttention-2 backend available
         # (TE attention/dot_product_attention/dot_product_attention.py:2014-2026, pad_between_seqs)
