@@ -28,6 +28,9 @@ def _train(args) -> int:
     from megatron_dapo.trainer import Trainer
 
     cfg = load_config(args.recipe, args.overrides)
+    from megatron_dapo.preflight import train_preflight
+
+    train_preflight(cfg)  # the GPU stack, this node's GPUs, the tensor sync's reach: before the model or a server
     trainer = Trainer(cfg, resume=args.resume, stop=stop)
     trainer.run()
     if trainer.is_driver and not trainer.stopped_early:
@@ -158,7 +161,9 @@ EXPECTED_RUNTIME_ERRORS = {"DynamicSamplingError", "LogprobGapError", "WeightSyn
 
 
 def _fail(e: Exception, code: int) -> int:
-    if os.environ.get("RANK", "0") == "0":
+    if type(e).__name__ == "PreflightError" and os.environ.get("LOCAL_RANK", "0") == "0":  # one per node: its own
+        print(f"error: {os.uname().nodename}: {e}", file=sys.stderr, flush=True)
+    elif os.environ.get("RANK", "0") == "0":
         print(f"error: {e}", file=sys.stderr, flush=True)
     return code
 

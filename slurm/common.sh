@@ -7,8 +7,9 @@
 #
 # sbatch copies the job script to a spool directory, so the scripts find this file (and the repository) through
 # $DAPO_ROOT, default: the directory sbatch was called from. Submit from the repository root, or export DAPO_ROOT.
-# Optional environment: PYTHON (default: $DAPO_ROOT/.venv/bin/python if present, else python3), DAPO_ENV_SETUP (a
-# file sourced first, e.g. `module load ...` or a conda activate), OMP_NUM_THREADS.
+# Optional environment: PYTHON (default: $DAPO_ROOT/.venv/bin/python if present, else python3; the GPU scripts refuse
+# a CPU-only torch: dapo_require_gpu_python), DAPO_ENV_SETUP (a file sourced first, e.g. `module load ...` or a conda
+# activate), OMP_NUM_THREADS.
 
 set -Eeuo pipefail
 
@@ -58,6 +59,28 @@ _dapo_on_usr1() {
 trap '_dapo_on_error $LINENO "$BASH_COMMAND"' ERR
 trap _dapo_on_exit EXIT
 trap _dapo_on_usr1 USR1
+
+# dapo_require_gpu_python ARGS...: a job that asks for CUDA devices and SGLang (the GPU scripts call this) refuses a
+# CPU-only torch in $PYTHON (the default, the repository's .venv, is one) before any step starts. Skipped when the
+# steps run a container's python (CONTAINER_IMAGE) and for --dry-run (it starts nothing). `dapo launch` then checks
+# the rest of the stack (megatron_dapo/preflight.py).
+dapo_require_gpu_python() {
+    local arg cuda
+    [[ -z ${CONTAINER_IMAGE:-} ]] || return 0
+    for arg in "$@"; do [[ $arg != --dry-run ]] || return 0; done
+    local fix="set PYTHON=/path/to/gpu-venv/bin/python (CUDA torch, SGLang, Transformer Engine: requirements/gpu.txt)"
+    fix+=" or CONTAINER_IMAGE=<an image built from docker/Dockerfile> (the steps then run its python)"
+    if ! cuda=$("$PYTHON" -c 'import torch; print(torch.version.cuda or "")' 2>&1); then
+        printf 'this job needs CUDA devices and SGLang, but PYTHON=%s cannot import torch (%s): %s\n' \
+            "$PYTHON" "$(tail -n 1 <<<"$cuda")" "$fix" >&2
+        return 3
+    fi
+    cuda=$(tail -n 1 <<<"$cuda")
+    if [[ -z $cuda ]]; then
+        printf 'this job needs CUDA devices and SGLang, but PYTHON=%s has a CPU-only torch: %s\n' "$PYTHON" "$fix" >&2
+        return 3
+    fi
+}
 
 # dapo_launch ARGS...: the in-allocation driver (= `dapo launch`): SGLang servers, trainer step, fail fast. It runs in
 # the background because bash runs a trap only once the foreground command has ended; exit 75 (stopped early, saved)

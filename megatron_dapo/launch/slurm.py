@@ -431,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.describe())
             return 0
+        from megatron_dapo.preflight import launch_preflight  # the GPU stack of the steps' interpreter, before a step
+
+        launch_preflight(load_config(opts.recipe, opts.overrides), plan.gpus_per_node, len(plan.servers), opts.python,
+                         stand_ins=bool(opts.server_cmd or opts.trainer_cmd))  # fmt: skip
         print(plan.describe(), file=sys.stderr, flush=True)
         supervisor = Supervisor(plan, stop_before_s=args.stop_before or 0)
         rc = supervisor.run()

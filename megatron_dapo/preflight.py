@@ -1,0 +1,180 @@
+"""Start-up preflight of a GPU job (``dapo train`` and ``dapo launch``, before any server or model is built): the
+environment can run what the config asks for. One line per failed check, each naming the fix; a CPU run (the demo,
+CI) passes silently.
+
+    needs = needs_for(cfg, gpus_per_node=8, starts_servers=True)
+    problems = check(needs, probe(needs))          # pure: facts in, lines out
+    preflight(cfg, ...)                            # probe + check; PreflightError (a ConfigError) listing them
+
+``python -m megatron_dapo.preflight`` prints this interpreter's facts as JSON: how ``dapo launch`` probes the
+interpreter its steps run (``--python``) when that is not its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+from megatron_dapo.config import ConfigError, DapoConfig
+from megatron_dapo.versions import MCORE_RANGE, in_range
+
+FIX_ENV = ("run with an environment that has the GPU stack: PYTHON=/path/to/gpu-venv/bin/python (slurm/*.sbatch), "
+           "dapo launch --python ..., or cluster.container_image=<an image built from docker/Dockerfile>")  # fmt: skip
+
+
+class PreflightError(ConfigError):
+    """The environment cannot run the job; the message has one line per failed check."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the job asks of this environment (``needs_for``)."""
+
+    cuda: list[str] = field(default_factory=list)  # why the job runs on CUDA devices (empty: it need not)
+    gpus_per_node: int = 0  # CUDA devices this node must show (0: not checked)
+    gpus_why: str = ""
+    te: list[str] = field(default_factory=list)  # why the model spec needs Transformer Engine (checked on GPU)
+    sglang: bool = False  # SGLang on CUDA runs from (or is imported by) this environment: sglang + sgl_kernel
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What this environment has (``probe``); import results: None = imported, else the error (not probed: "")."""
+
+    torch: str = ""
+    torch_cuda: str | None = None  # torch.version.cuda; None: a CPU build
+    cuda_devices: int = 0
+    mcore: str | None = None  # megatron-core's version; None: not installed
+    imports: dict[str, str | None] = field(default_factory=dict)
+
+
+def needs_for(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = True, gpus_why: str = "") -> Needs:
+    """The job's needs: ``gpus_per_node`` CUDA devices per node (the layout's, ``gpus_why``), ``starts_servers``:
+    SGLang servers run from this environment (else only the trainer imports SGLang's serializer)."""
+    r, m, p = cfg.rollout, cfg.model, cfg.parallel
+    cuda = []
+    if r.engine == "sglang" and r.sglang_device == "cuda":
+        cuda.append("rollout.engine = 'sglang' on rollout.sglang_device = 'cuda'")
+    if m.fp8:
+        cuda.append(f"model.fp8 = {m.fp8!r}")
+    if m.transformer_impl == "transformer_engine":
+        cuda.append("model.transformer_impl = 'transformer_engine'")
+    te = [why for why in cuda if not why.startswith("rollout.")]
+    if p.cp > 1:
+        te.append(f"parallel.cp = {p.cp} (TE's context-parallel attention)")
+    if p.sequence_parallel:
+        te.append("parallel.sequence_parallel = true")
+    return Needs(cuda=cuda, gpus_per_node=gpus_per_node, gpus_why=gpus_why, te=te,
+                 sglang=r.engine == "sglang" and r.sglang_device == "cuda" and (starts_servers or r.weight_sync != "disk"))  # fmt: skip
+
+
+def check(needs: Needs, facts: Facts) -> list[str]:
+    """One line per failed check, naming the fix; empty when the environment can run the job."""
+    out = []
+    if facts.mcore is None:
+        out.append(f"megatron-core is not installed: pip install 'megatron-core{MCORE_RANGE}'")
+    elif not in_range(facts.mcore, MCORE_RANGE):
+        out.append(f"megatron-core {facts.mcore} is outside the supported range {MCORE_RANGE} (megatron_dapo/"
+                   f"versions.py MCORE_RANGE): pip install 'megatron-core{MCORE_RANGE}'")  # fmt: skip
+    gpu = bool(needs.cuda) or facts.cuda_devices > 0
+    if needs.cuda and facts.torch_cuda is None:
+        out.append(f"torch {facts.torch} is a CPU build, but the job runs on CUDA devices ({'; '.join(needs.cuda)}): "
+                   f"{FIX_ENV}")  # fmt: skip
+    elif gpu and needs.gpus_per_node and facts.cuda_devices < needs.gpus_per_node:
+        out.append(f"this node shows {facts.cuda_devices} CUDA devices, the layout needs {needs.gpus_per_node} per node"
+                   f" ({needs.gpus_why or 'cluster.gpus_per_node'}): ask Slurm for them (--gpus-per-node), check "
+                   "CUDA_VISIBLE_DEVICES, or plan for the GPUs the nodes have")  # fmt: skip
+    if gpu and needs.te and facts.imports.get("transformer_engine.pytorch"):
+        out.append(f"Transformer Engine is not importable ({facts.imports['transformer_engine.pytorch']}), but "
+                   f"{'; '.join(needs.te)} needs it: install transformer-engine[pytorch] (requirements/gpu.txt; the "
+                   "NGC PyTorch container has it), or turn those settings off")  # fmt: skip
+    for module, what in (("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")):
+        if needs.sglang and facts.imports.get(module):
+            out.append(f"{what} not importable ({facts.imports[module]}), but rollout.engine = 'sglang' runs on CUDA: "
+                       f"install the pins of requirements/gpu.txt, or {FIX_ENV}")  # fmt: skip
+    return out
+
+
+def _try_import(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # a half-installed TE or an sgl_kernel built for another torch raises OSError, RuntimeError
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
+
+
+def probe(needs: Needs | None = None) -> Facts:
+    """This interpreter's facts; imports only what ``needs`` asks (all of them without ``needs``)."""
+    import torch
+
+    try:
+        mcore = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        mcore = None
+    devices = torch.cuda.device_count() if torch.version.cuda else 0
+    gpu = needs is None or bool(needs.cuda) or devices > 0
+    modules = []
+    if needs is None or (gpu and needs.te):
+        modules.append("transformer_engine.pytorch")
+    if needs is None or needs.sglang:
+        modules += ["sglang", "sgl_kernel"]
+    return Facts(torch.__version__, torch.version.cuda, devices, mcore, {m: _try_import(m) for m in modules})
+
+
+def probe_python(python: str, needs: Needs) -> Facts:
+    """The facts of another interpreter (``python -m megatron_dapo.preflight``); its own when it is this one."""
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return probe(needs)
+    try:
+        out = subprocess.run([python, "-m", "megatron_dapo.preflight"], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PreflightError(f"preflight: cannot run {python}: {e}") from e
+    if out.returncode != 0:
+        raise PreflightError(f"preflight: {python} -m megatron_dapo.preflight failed ({out.returncode}): "
+                             f"{out.stderr.strip()[-500:]}; {FIX_ENV}")  # fmt: skip
+    return Facts(**json.loads(out.stdout.splitlines()[-1]))
+
+
+def preflight(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = True, python: str | None = None,
+              where: str = "dapo train", gpus_why: str = "") -> None:  # fmt: skip
+    """Probe and check; raise ``PreflightError`` with every failed check, one per line."""
+    needs = needs_for(cfg, gpus_per_node, starts_servers, gpus_why)
+    problems = check(needs, probe_python(python, needs) if python else probe(needs))
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise PreflightError(f"{where}: preflight: this environment cannot run the job:\n{lines}")
+
+
+def train_preflight(cfg: DapoConfig, env: dict | None = None) -> None:
+    """``dapo train``, every rank, before the model or a server: this rank's environment, and (rank 0, outside
+    ``dapo launch``'s per-node sync) that a ``tensor`` sync reaches its servers (``driver.check_tensor_sync_reach``)."""
+    env = os.environ if env is None else env
+    r = cfg.rollout
+    local = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    starts = r.engine == "sglang" and not r.server_urls
+    gpus = max(local, r.sglang_tp if starts and r.colocate else 0)
+    why = f"{local} trainer ranks on this node" + (f", rollout.sglang_tp = {r.sglang_tp}" if gpus > local else "")
+    preflight(cfg, gpus, starts, gpus_why=why)
+    if env.get("RANK", "0") == "0" and not env.get("DAPO_LOCAL_SERVER_URL"):
+        from megatron_dapo.rollout.driver import check_tensor_sync_reach
+
+        check_tensor_sync_reach(cfg)
+
+
+def launch_preflight(cfg: DapoConfig, gpus_per_node: int, servers: int, python: str, stand_ins: bool = False) -> None:
+    """``dapo launch``, before any job step: the interpreter the steps run (``python``; this node's GPUs stand for
+    every node's). Nothing to check for a CPU job (each rank's ``dapo train`` checks its own), for stand-in programs
+    (``--server-cmd``/``--trainer-cmd``) or in a container (``cluster.container_image``: each rank checks inside)."""
+    if not gpus_per_node or stand_ins or cfg.cluster.container_image:
+        return
+    why = "the plan's GPUs per node: SLURM_GPUS_ON_NODE, --gpus-per-node or cluster.gpus_per_node"
+    preflight(cfg, gpus_per_node, servers > 0, python=python, where="dapo launch", gpus_why=why)
+
+
+if __name__ == "__main__":
+    print(json.dumps(asdict(probe())))
