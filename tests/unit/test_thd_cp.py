@@ -125,3 +125,44 @@ def test_cp_rank_from_parallel_state(monkeypatch):
     assert out["tokens"].shape[1] == int(padded[-1]) // 2
     assert params.qkv_format == "thd" and params.max_seqlen_q == int(max_seqlen[0])
     assert batch["tokens"].shape[1] == int(padded[-1])  # the caller's dict is left as it was
+
+
+def test_actor_thd_micro_batch_splits_every_per_position_array(monkeypatch):
+    """The actor's own THD micro-batch (built on CPU with a THD geometry, as on TE) at CP=2: each response token
+    lands on exactly one CP rank with its own label, sequence, offset, old logprob, advantage and loss mask."""
+    from megatron.core import parallel_state
+
+    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.dist import teardown
+    from megatron_dapo.config import load_config
+    from megatron_dapo.data.geometry import Geometry
+
+    actor = MegatronActor(
+        load_config("demo_cpu", ["train.batch_prompts=2", "train.mini_batch_prompts=2", "algo.group_size=2"])
+    )
+    try:
+        g = torch.Generator().manual_seed(3)
+        seqs = []
+        for n, p in ((11, 4), (7, 2), (16, 9)):
+            r = n - p
+            s = Sequence(torch.randint(0, 25, (n,), generator=g), p, advantage=float(torch.randn(1, generator=g)))
+            s.old_logprobs, s.loss_mask = -torch.rand(r, generator=g), (torch.rand(r, generator=g) > 0.3).long()
+            seqs.append(s)
+        actor.geometry = Geometry("thd", slot_multiple=4, total_multiple=4)
+
+        def tokens_of(mb):
+            keys = ("seq_id", "resp_off", "labels", "old_logprobs", "advantages", "loss_mask")
+            return sorted(zip(*(mb["sel_" + k].tolist() for k in keys)))
+
+        whole = actor._micro_batch(seqs, [[0], [1], [2]])
+        assert len(tokens_of(whole)) == sum(s.response_len for s in seqs)
+        monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+        parts = []
+        for rank in (0, 1):
+            monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda rank=rank: rank)
+            mb = actor._micro_batch(seqs, [[0], [1], [2]])
+            assert mb["tokens"].shape[1] == whole["tokens"].shape[1] // 2
+            parts += tokens_of(mb)
+        assert sorted(parts) == tokens_of(whole)
+    finally:
+        teardown()
