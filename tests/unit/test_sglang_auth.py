@@ -4,10 +4,14 @@ output redaction of the wrapper, the key's source."""
 from __future__ import annotations
 
 import os
+import select
+import signal
 import stat
 import subprocess
 import sys
+import time
 
+import pytest
 import yaml
 
 from megatron_dapo.rollout import sglang_auth
@@ -57,3 +61,65 @@ def test_key_from_the_environment_else_one_per_process(monkeypatch):
     monkeypatch.delenv("DAPO_SGLANG_API_KEY")
     first = sglang_auth.api_key()
     assert len(first) >= 32 and sglang_auth.api_key() == first
+
+
+def _wrapped(tmp_path, child: str) -> subprocess.Popen:
+    """The wrapper running ``python -c child``; returns once the child wrote ``tmp_path/ready`` (its handlers set)."""
+    cmd = [sys.executable, "-m", "megatron_dapo.rollout.sglang_auth", sys.executable, "-c", child, str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_wrapper_forwards_signals_to_the_server(tmp_path):
+    """SIGUSR1, SIGHUP, SIGINT and SIGTERM to the wrapper (what srun and the launcher send) reach the server, and the
+    wrapper exits with the server's code."""
+    child = (
+        "import os, signal, sys, time; from pathlib import Path\n"
+        "def on(sig, _f):\n"
+        "    print('got', signal.Signals(sig).name, flush=True)\n"
+        "    if sig == signal.SIGTERM: sys.exit(7)\n"
+        "for s in (signal.SIGUSR1, signal.SIGHUP, signal.SIGINT, signal.SIGTERM): signal.signal(s, on)\n"
+        "Path(sys.argv[1], 'ready').touch()\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    proc = _wrapped(tmp_path, child)
+    for sig in (signal.SIGUSR1, signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        proc.send_signal(sig)  # the next only once the server said it got this one (through the wrapper's output)
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and proc.stdout.readline() == f"got {sig.name}\n".encode(), f"{sig.name} did not reach the server"
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+
+
+@pytest.mark.timeout(120)
+def test_server_dies_with_its_wrapper(tmp_path):
+    """SIGKILL to the wrapper (it cannot forward that): PR_SET_PDEATHSIG sends the server SIGTERM, no orphan stays."""
+    child = (
+        "import os, sys, time; from pathlib import Path\n"
+        "Path(sys.argv[1], 'pid').write_text(str(os.getpid())); Path(sys.argv[1], 'ready').touch()\n"
+        "time.sleep(600)\n"
+    )
+    proc = _wrapped(tmp_path, child)
+    pid = int((tmp_path / "pid").read_text())
+    try:
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the server outlived its wrapper"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
