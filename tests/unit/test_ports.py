@@ -34,8 +34,12 @@ def test_jobs_with_different_ids_mod_blocks_get_disjoint_blocks():
     for job in range(1000, 1000 + BLOCKS):  # BLOCKS consecutive job ids, e.g. running at once on a shared node
         for q in job_ports(JobPorts.for_job(job)):
             assert seen.setdefault(q, job) == job, f"jobs {seen[q]} and {job} share port {q}"
-    # the scheme this replaces: MASTER_PORT = 29500 + job id mod 1000 lands on the server port 30000 for job 500
-    assert 29500 + 500 % 1000 == 30000
+    # job 500, whose rendezvous the old scheme (29500 + id mod 1000) put on the server port 30000: by hand, block
+    # 500 mod 55 = 5, base 10000 + 5 * 400 = 12000; router, weight sync next; server 1 at base + 8 + 40
+    p = JobPorts.for_job(500)
+    assert (p.rendezvous, p.router, p.weight_sync) == (12000, 12001, 12002)
+    assert (p.server(1).http, p.server(1).nccl, p.server(1).dist_init) == (12048, 12049, 12050)
+    assert p.server(1).all() == range(12048, 12088) and JobPorts.for_job(550) == JobPorts(10000)
     ports = {JobPorts.for_job(j).rendezvous for j in range(BLOCKS)}
     assert not ports & {q for j in range(BLOCKS) for k in range(8) for q in JobPorts.for_job(j).server(k).all()}
 
