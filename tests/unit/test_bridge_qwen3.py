@@ -1,0 +1,158 @@
+"""Qwen3 dense through the bridge and the provider (issue 27): the mapping table against transformers' Qwen3ForCausalLM
+and megatron-core's GPTModel (q/k norm, no QKV bias, head_dim != hidden / heads, tied and untied), logits equal to
+HF's, both conversion tools bit-exact, the published configs, and Qwen3-MoE refused naming what is missing.
+Multi-process (TP=2 x PP=2) load/export/save and tools/check_logits: tests/dist/test_bridge_dist.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from bridge_helpers import QWEN3_TINY, QWEN3_TINY_TIED, make_hf_model, save_hf
+from test_bridge_convert import tensors
+
+from megatron_dapo.arch import load_arch
+from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, read_meta
+from megatron_dapo.bridge.hf_config import arch_from_hf, family_of, hf_from_arch
+from megatron_dapo.bridge.mappings import canonical_name, spec_name, table_for
+from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig, compare_arch
+from megatron_dapo.memory import count_params
+
+ARCHES = [QWEN3_TINY, QWEN3_TINY_TIED]
+
+# config.json of Qwen/Qwen3-32B (the published model; transformers 4.51 spelling)
+QWEN3_32B_HF = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 25600, "max_position_embeddings": 40960,
+    "max_window_layers": 64, "model_type": "qwen3", "num_attention_heads": 64, "num_hidden_layers": 64,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHES, ids=lambda a: a.name)
+def test_table_matches_transformers_qwen3(arch):
+    model = make_hf_model(arch)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    hf = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    table = table_for(arch).hf_shapes(arch)
+    if arch.tie_embeddings:
+        assert hf.pop("lm_head.weight") == table["model.embed_tokens.weight"]
+    assert table == hf
+    assert table["model.layers.0.self_attn.q_norm.weight"] == (arch.head_dim,) != (arch.hidden_size,)
+    assert table["model.layers.0.self_attn.q_proj.weight"] == (
+        arch.num_attention_heads * arch.head_dim,
+        arch.hidden_size,
+    )
+    assert not any(n.endswith("_proj.bias") for n in table)
+
+
+@pytest.mark.parametrize("arch", ARCHES, ids=lambda a: a.name)
+def test_megatron_model_names_params_and_logits_equal_hf(arch):
+    """The local-spec GPTModel has exactly the table's parameters (count = the memory model's), and with the HF weights
+    copied in through the table its logits equal transformers' (fp32)."""
+    from megatron_dapo.actor.dist import init_distributed, seed_everything
+    from megatron_dapo.actor.provider import build_model, model_position_ids
+
+    init_distributed(ParallelConfig())  # as MegatronActor does in-process (no os.environ rendezvous)
+    seed_everything(0)
+    model_cfg = ModelConfig(dtype="fp32")
+    [model] = build_model(arch, model_cfg, ParallelConfig())
+    params = dict(model.named_parameters())
+    table = table_for(arch)
+    assert set(params) == set(table.by_megatron(arch))
+    assert sum(p.numel() for p in params.values()) == count_params(arch)
+    hf_model = make_hf_model(arch, seed=3)
+    padded = params["embedding.word_embeddings.weight"].shape[0]
+    full = table.hf_to_megatron(hf_model.state_dict(), arch, padded_vocab=padded)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(full[name])
+        ids = torch.randint(0, arch.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+        n = ids.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+        got = model(ids, model_position_ids(torch.arange(n).expand(2, n), model_cfg), mask)[..., : arch.vocab_size]
+        want = hf_model(ids).logits
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_qk_norm_names_are_the_same_in_both_specs():
+    """TE fuses only the pre-attention / pre-MLP norms; q_layernorm / k_layernorm keep their names in the TE spec
+    (megatron-core 0.16.1 gpt_layer_specs.py:282-287 and :405-410, SelfAttentionSubmodules in both specs)."""
+    for part in ("q_layernorm", "k_layernorm"):
+        name = f"decoder.layers.3.self_attention.{part}.weight"
+        assert spec_name(name, te=True) == spec_name(name, te=False) == canonical_name(name) == name
+
+
+def test_provider_asks_both_specs_for_qk_layernorm(monkeypatch):
+    """The TE spec cannot be built without TE: the provider's request to it is checked instead."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_dapo.actor import provider
+
+    calls = []
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(provider, "use_transformer_engine", lambda cfg: True)
+    provider.layer_spec(ModelConfig(), qk_layernorm=True)
+    assert calls == [{"fp8": None, "qk_layernorm": True}]
+    monkeypatch.setattr(provider, "use_transformer_engine", lambda cfg: False)
+    spec = provider.layer_spec(ModelConfig(), qk_layernorm=True).submodules.self_attention.submodules
+    assert spec.q_layernorm is spec.k_layernorm and spec.q_layernorm.__name__ == "WrappedTorchNorm"
+
+
+@pytest.mark.parametrize("arch", ARCHES, ids=lambda a: a.name)
+def test_conversion_round_trip_is_bit_exact(tmp_path, arch):
+    """In process (the tools themselves, at TP=2 x PP=2 through the actor: tests/dist/test_bridge_dist.py)."""
+    hf = save_hf(arch, tmp_path / "hf", seed=7, dtype=torch.bfloat16, max_shard_size="40KB")
+    hf_to_megatron(hf, tmp_path / "mg", tp=2, pp=2)
+    got_arch, _ = read_meta(tmp_path / "mg")
+    assert got_arch == dataclasses.replace(arch, name=got_arch.name)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", hf_template=hf, max_shard_size="30KB")
+    orig, back = tensors(hf), tensors(tmp_path / "back")
+    if arch.tie_embeddings:
+        orig.pop("lm_head.weight", None)
+    assert sorted(back) == sorted(orig)
+    for k, v in orig.items():
+        assert v.dtype == back[k].dtype and torch.equal(v, back[k]), k
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["model_type"], config["head_dim"], config["attention_bias"]) == ("qwen3", arch.head_dim, False)
+
+
+def test_published_configs_match_the_model_configs():
+    arch = arch_from_hf(QWEN3_32B_HF, name="qwen3-32b")
+    compare_arch(load_arch("qwen3-32b"), arch, "qwen3-32b")
+    assert (arch.head_dim, arch.hidden_size // arch.num_attention_heads, arch.qk_layernorm) == (128, 80, True)
+    small = {**QWEN3_32B_HF, "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+             "num_hidden_layers": 28, "tie_word_embeddings": True}  # fmt: skip
+    compare_arch(load_arch("qwen3-0.6b"), arch_from_hf(small), "qwen3-0.6b")
+    mid = {**QWEN3_32B_HF, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+           "num_hidden_layers": 36}  # fmt: skip
+    compare_arch(load_arch("qwen3-8b"), arch_from_hf(mid), "qwen3-8b")
+    for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b"):  # and back to a config transformers reads
+        a = load_arch(name)
+        compare_arch(a, arch_from_hf(hf_from_arch(a), name=name), name)
+
+
+def test_qwen3_moe_is_refused_naming_the_family_and_what_is_missing(tmp_path):
+    moe = {**QWEN3_32B_HF, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}
+    for cfg in (moe, {**moe, "model_type": None}, {**moe, "architectures": None}):
+        with pytest.raises(ConfigError, match="Qwen3-MoE .*expert parallelism.*router"):
+            family_of(cfg)
+    path = tmp_path / "qwen3-30b-a3b.yaml"
+    path.write_text("name: qwen3-30b-a3b\nfamily: qwen3_moe\nnum_layers: 48\n")
+    with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: family = 'qwen3_moe': Qwen3-MoE .*not supported"):
+        load_arch(path)
+
+
+def test_qk_layernorm_is_fixed_by_the_family(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nfamily: qwen3\nqkv_bias: false\n")  # qk_layernorm left out
+    with pytest.raises(ConfigError, match="qk_layernorm = False: family qwen3 has per-head q/k RMSNorm.*true"):
+        load_arch(path)
+    with pytest.raises(ConfigError, match="use_sliding_window = true"):
+        arch_from_hf({**QWEN3_32B_HF, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="qk_layernorm mismatch"):
+        compare_arch(QWEN3_TINY, ArchConfig(**{**QWEN3_TINY.__dict__, "qk_layernorm": False}), "x")
