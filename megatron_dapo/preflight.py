@@ -12,6 +12,7 @@ interpreter its steps run (``--python``) when that is not its own.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -69,8 +70,9 @@ def needs_for(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = Tr
         te.append(f"parallel.cp = {p.cp} (TE's context-parallel attention)")
     if p.sequence_parallel:
         te.append("parallel.sequence_parallel = true")
-    return Needs(cuda=cuda, gpus_per_node=gpus_per_node, gpus_why=gpus_why, te=te,
-                 sglang=r.engine == "sglang" and r.sglang_device == "cuda" and (starts_servers or r.weight_sync != "disk"))  # fmt: skip
+    # the trainer imports SGLang's serializer (tensor) or its process group (distributed); servers all of it
+    sglang = r.engine == "sglang" and r.sglang_device == "cuda" and (starts_servers or r.weight_sync != "disk")
+    return Needs(cuda=cuda, gpus_per_node=gpus_per_node, gpus_why=gpus_why, te=te, sglang=sglang)
 
 
 def check(needs: Needs, facts: Facts) -> list[str]:
@@ -117,6 +119,8 @@ def probe(needs: Needs | None = None) -> Facts:
     except importlib.metadata.PackageNotFoundError:
         mcore = None
     devices = torch.cuda.device_count() if torch.version.cuda else 0
+    if devices and os.environ.get("LOCAL_RANK"):  # imports that query the GPU make their context on this rank's own
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % devices)
     gpu = needs is None or bool(needs.cuda) or devices > 0
     modules = []
     if needs is None or (gpu and needs.te):
@@ -141,9 +145,12 @@ def probe_python(python: str, needs: Needs) -> Facts:
 
 
 def preflight(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = True, python: str | None = None,
-              where: str = "dapo train", gpus_why: str = "") -> None:  # fmt: skip
-    """Probe and check; raise ``PreflightError`` with every failed check, one per line."""
+              where: str = "dapo train", gpus_why: str = "", sglang: bool = True) -> None:  # fmt: skip
+    """Probe and check (SGLang's imports unless ``sglang`` is false); raise ``PreflightError`` with every failed
+    check, one per line."""
     needs = needs_for(cfg, gpus_per_node, starts_servers, gpus_why)
+    if not sglang:
+        needs = dataclasses.replace(needs, sglang=False)
     problems = check(needs, probe_python(python, needs) if python else probe(needs))
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
@@ -159,7 +166,8 @@ def train_preflight(cfg: DapoConfig, env: dict | None = None) -> None:
     starts = r.engine == "sglang" and not r.server_urls
     gpus = max(local, r.sglang_tp if starts and r.colocate else 0)
     why = f"{local} trainer ranks on this node" + (f", rollout.sglang_tp = {r.sglang_tp}" if gpus > local else "")
-    preflight(cfg, gpus, starts, gpus_why=why)
+    # sglang + sgl_kernel: imported once per node (the node's ranks share the environment)
+    preflight(cfg, gpus, starts, gpus_why=why, sglang=env.get("LOCAL_RANK", "0") == "0")
     if env.get("RANK", "0") == "0" and not env.get("DAPO_LOCAL_SERVER_URL"):
         from megatron_dapo.rollout.driver import check_tensor_sync_reach
 
