@@ -110,6 +110,11 @@ class RolloutConfig:
     # a server that dies mid-rollout is restarted, resynced and its requests re-issued; more deaths than this in one
     # step stop the run with an error naming the server's node and log
     max_restarts_per_step: int = 3
+    # partial rollout (rollout/schedule.py): the samples still in flight when a step has its groups are aborted but
+    # kept and resumed first next step with the budget they have left; a group whose oldest token is more than
+    # partial_max_age weight versions behind the trainer is dropped (counted)
+    partial: bool = False
+    partial_max_age: int = 2
 
 
 @dataclass
@@ -230,6 +235,12 @@ class DapoConfig:
         return self.algo.tis == "on" or (self.algo.tis == "auto" and self.model.fp8 is not None)
 
     @property
+    def tis_possible(self) -> bool:
+        """TIS may weight some tokens: on for all (``tis_enabled``), or (auto, partial rollout) for the tokens sampled
+        from older weights than the trainer's (the batch's ``Sequence.tis_mask``)."""
+        return self.tis_enabled or (self.algo.tis == "auto" and self.rollout.partial)
+
+    @property
     def max_seq_len(self) -> int:
         return self.data.max_prompt_len + self.rollout.sampling.max_new_tokens
 
@@ -295,7 +306,8 @@ _IGNORED_WHEN = {
     "rollout.max_concurrency": _NOT_SGLANG, "rollout.fanout": _NOT_SGLANG,
     "algo.overlong_cache": _NO_OVERLONG, "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
-    "algo.tis_cap": (lambda c: not c.tis_enabled, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
+    "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
+    "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
     "eval.n": _GREEDY, "eval.temperature": _GREEDY, "eval.top_p": _GREEDY,
 }  # fmt: skip
@@ -420,6 +432,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
     if r.hf_max_batch < 1:
         fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
+    if r.partial_max_age < 1:
+        fail("rollout.partial_max_age", r.partial_max_age, "must be >= 1 (weight versions a carried group may lag)")
     if r.max_restarts_per_step < 0:
         fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
     if not 0 < r.mem_fraction < 1:
@@ -437,6 +451,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             "replicas use more servers: dapo launch starts one per rollout.sglang_tp GPUs, or list them in "
             "rollout.server_urls",
         )
+    # NCCL src/init.cc (initTransportsRank): "Duplicate GPU detected : rank %d and rank %d both on CUDA device" ->
+    # ncclInvalidUsage, when two ranks of one communicator share a bus id; a gloo group (CPU servers) has no such rule
     if r.engine == "sglang" and r.colocate and r.sglang_device == "cuda" and r.weight_sync == "distributed":
         fail(
             "rollout.weight_sync",
