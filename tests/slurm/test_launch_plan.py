@@ -410,15 +410,35 @@ def test_dapo_32b_dry_run_shows_engines_sync_plan_and_phase_memory(tmp_path):
         assert f"  {phase} phase: " in text and f"= {peak:.1f} GiB: fits" in text
 
 
+# By hand (tests/unit/test_plan.py QWEN32B_HAND): the trainer's stage-0 share at TP8 PP2 is 2,048,356,352 parameters,
+# the whole model 32,763,876,352; GiB = 2**30.
+_TRAINER_W = 2_048_356_352 * 2 / 2**30  # bf16: 3.82
+_TRAINER_G = 2_048_356_352 * 4 / 2**30  # fp32 main grads: 7.63
+_TRAINER_OPT = 2_048_356_352 * 12 / 8 / 2**30  # fp32 master + 2 Adam moments over DP 8: 2.86
+_SGLANG_W = 32_763_876_352 * 2 / 4 / 2**30  # bf16 over rollout TP4: 15.26
+# rollout phase at mem_fraction 0.9: trainer weights + SGLang's 0.9 × 80 GiB (weights, the rest KV) + 5 GiB overhead
+_ROLLOUT_REFUSAL = (f"rollout phase: peak {_TRAINER_W + 0.9 * 80 + 5.0:.1f} GiB > 76.0 GiB usable (SGLang KV cache "
+                    f"{0.9 * 80 - _SGLANG_W:.1f}, SGLang weights {_SGLANG_W:.1f}, overhead 5.0 GiB)")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "override, phase",
-    [("rollout.mem_fraction=0.9", "rollout phase: peak 80.8 GiB > 76.0 GiB usable"),
-     ("parallel.max_tokens_per_micro_batch=45056", "train phase: peak 99.0 GiB > 76.0 GiB usable")],
-)  # fmt: skip
+    [("rollout.mem_fraction=0.9", _ROLLOUT_REFUSAL), ("parallel.max_tokens_per_micro_batch=45056", "train phase")],
+)
 def test_layout_predicted_not_to_fit_is_refused_before_any_step(override, phase, tmp_path):
+    import re
+
     with pytest.raises(LaunchError, match="predicted not to fit") as err:
         plan_for("parallel.pp=2", "parallel.cp=1", override, nodes=16)
     assert phase in str(err.value) and "cluster.memory_check=false" in str(err.value)
+    if phase == "train phase":  # the parameter terms by hand; the activations (the memory model's) fill the rest
+        m = re.search(r"train phase: peak ([\d.]+) GiB > 76\.0 GiB usable \(trainer activations ([\d.]+), trainer "
+                      r"grads ([\d.]+), overhead 5\.0 GiB\)", str(err.value))  # fmt: skip
+        assert m, str(err.value)
+        peak, act, grads = map(float, m.groups())
+        assert grads == round(_TRAINER_G, 1)
+        assert peak == pytest.approx(_TRAINER_W + _TRAINER_G + _TRAINER_OPT + act + 2.0 + 5.0, abs=0.15)
+        assert peak > 76.0
     plan = plan_for("parallel.pp=2", "parallel.cp=1", override, "cluster.memory_check=false", nodes=16)
     assert not plan.memory["fits"] and len(plan.servers) == 32
     out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2", "parallel.cp=1", override)

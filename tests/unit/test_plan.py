@@ -158,6 +158,25 @@ def test_activation_qwen32b_by_hand():
         activation_bytes_per_token(a, "some")
 
 
+# Qwen/Qwen2.5-32B by hand, from its published config.json (hidden 5120, 64 layers, 40 heads of 128, 8 KV heads,
+# FFN 27648, vocab 152064, q/k/v biases, untied head): a layer is q 5120·5120 + k, v 2·1024·5120 + biases
+# 5120 + 2·1024 + o 5120·5120 + gate/up/down 3·27648·5120 + 2 norms of 5120 = 487,605,248; embedding and head
+# 152064·5120 = 778,567,680 each. TP8: the vocab padded to 152,576 rows (a multiple of 128·8) -> 97,648,640 per rank;
+# a layer (487,605,248 − 10,240 norm weights, which every rank keeps) / 8 + 10,240 = 60,959,616 per rank. PP2 stage
+# 0 = embedding + 32 layers; stage 1 = 32 layers + final norm + head (5,120 more).
+QWEN32B_HAND = {
+    "total": 64 * 487_605_248 + 2 * 778_567_680 + 5120,  # 32,763,876,352 (the Hub shows 32.8B)
+    "tp8_pp2_stage0": 32 * 60_959_616 + 97_648_640,  # 2,048,356,352
+}
+
+
+def test_32b_parameter_count_by_hand():
+    a = load_arch("qwen2.5-32b")
+    assert total_params(a) == QWEN32B_HAND["total"] == 32_763_876_352
+    assert count_params(a, 8, 2, 0) == QWEN32B_HAND["tp8_pp2_stage0"] == 2_048_356_352
+    assert count_params(a, 8, 2, 1) == 2_048_356_352 + 5120
+
+
 @pytest.fixture(scope="module")
 def plans_32b():
     return plan("qwen2.5-32b", 2048, 20480, 16, 8, 80)
@@ -169,12 +188,13 @@ def test_32b_on_16_nodes_fits(plans_32b):
     assert best.memory.total <= 80 * GiB and best.memory_gib <= best.usable_gb
     assert best.tp * best.pp * best.cp * best.dp == 128
     assert best.micro_batch_tokens >= 2048 + 20480
-    # the breakdown is built from the exact counts and the documented bytes/param
-    a = load_arch("qwen2.5-32b")
-    p = count_params(a, best.tp, best.pp, best.memory.stage)
-    assert best.memory.params == p
-    assert best.memory.weights == 2 * p and best.memory.grads == 4 * p
-    assert best.memory.optimizer == pytest.approx(12 * p / (best.dp * best.cp if best.distributed_optimizer else 1))
+    # the parameter terms of the TP8 PP2 layouts, from hand counts of the published shapes (QWEN32B_HAND)
+    tp8pp2 = [p for p in plans_32b if (p.tp, p.pp, p.cp, p.dp) == (8, 2, 1, 8) and p.distributed_optimizer]
+    assert tp8pp2
+    for p in tp8pp2:
+        assert p.memory.stage == 0 and p.memory.params == QWEN32B_HAND["tp8_pp2_stage0"]  # the worst stage
+        assert p.memory.weights == 4_096_712_704 and p.memory.grads == 8_193_425_408  # bf16, fp32 main grads
+        assert p.memory.optimizer == pytest.approx(3_072_534_528)  # fp32 master + 2 moments = 12 B, / DP 8
     text = best.explain()
     for word in ("weights", "gradients", "optimizer", "activations", "logits", "overhead", "total", "fits"):
         assert word in text
