@@ -116,6 +116,26 @@ def _tensor_stays_on_cpu(self, *_args, **_kwargs):
     return self
 
 
+class _CpuStream:
+    """Stands in for ``torch.cuda.current_stream()``: on a CPU every op has finished when it returns."""
+
+    def wait_event(self, _event) -> None:
+        return None
+
+    def wait_stream(self, _stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(*_args, **_kwargs) -> _CpuStream:
+    return _CPU_STREAM
+
+
 def apply_cpu_shims() -> bool:
     """Patch the CUDA-only calls megatron-core makes on our path. Returns True if shims were (already) applied."""
     global _APPLIED
@@ -142,6 +162,9 @@ def apply_cpu_shims() -> bool:
     # (local_multi_tensor_l2_norm, the fallback of apex's multi_tensor_l2norm).
     for module in (schedules, clip_grads, optimizer, core_utils):
         module.torch = _CpuFactoryTorch(torch)
+    # torch.cuda.current_stream(): megatron-core 0.19 _ParamAndGradBucketGroup.start_grad_sync
+    # (distributed/param_and_grad_buffer.py:632) waits on CUDA-graph events on it in every DDP grad sync.
+    torch.cuda.current_stream = _cpu_current_stream
     # Tensor.type(): clip_grads.clip_grad_by_total_norm_fp32 asserts 'torch.cuda.FloatTensor' and
     # Float16OptimizerWithFloat16Params sorts params by 'torch.cuda.*Tensor' names.
     torch.Tensor.type = _tensor_type_as_cuda

@@ -16,6 +16,7 @@ def test_shims_replace_exactly_the_listed_calls_on_cpu():
     assert torch.cuda.synchronize is cpu._noop
     assert torch.Tensor.type is cpu._tensor_type_as_cuda
     assert torch.Tensor.cuda is cpu._tensor_stays_on_cpu
+    assert torch.cuda.current_stream is cpu._cpu_current_stream and torch.cuda.current_stream().wait_event(None) is None
     assert isinstance(tp_random._CUDA_RNG_STATE_TRACKER, cpu._CpuRngTracker)
     assert isinstance(schedules.torch, cpu._CpuFactoryTorch)
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
@@ -37,7 +38,20 @@ def test_rng_tracker_fork_is_isolated():
 def test_no_shim_when_cuda_is_present():
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    real = torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type, torch.Tensor.cuda
+    real = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.current_stream,
+        torch.Tensor.type,
+        torch.Tensor.cuda,
+    )
     assert cpu.apply_cpu_shims() is False and not cpu.shims_applied()
-    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.type, torch.Tensor.cuda) == real
+    now = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.current_stream,
+        torch.Tensor.type,
+        torch.Tensor.cuda,
+    )
+    assert now == real
     assert schedules.torch is torch
