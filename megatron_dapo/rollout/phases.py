@@ -1,14 +1,24 @@
 """The memory phases of a GPU that the trainer and the rollout engines share: one call each from the loop.
 
-    phases = make_phases(cfg, engine, actor)   # MemoryPhases when SGLang shares the trainer's GPUs, else NoPhases
+    phases = make_phases(cfg, engine, actor)   # colocated: the trainer's grads + optimizer to the host at once
     phases.to_train()      # engines release weights, KV cache and CUDA graphs; the trainer's grads + optimizer come back
     ...train...
-    phases.to_rollout()    # the trainer's grads + optimizer states go to the host; the engines resume their memory
-    ...weight sync (resumed weights are stale until it), generate, evaluate...
+    phases.to_rollout()    # the trainer's grads + optimizer states go to the host; the engines resume their WEIGHTS
+    ...weight sync (resumed weights are stale until it), generate (the engine resumes KV cache + CUDA graphs first)...
 
 The order per step is slime's and NeMo-RL's (notes: docs of issue 14): generate → release → train → offload → resume
-→ sync → generate. ``release_memory_occupation`` asserts that the server is idle: the loop has aborted what dynamic
-sampling did not keep before ``to_train``, and the engine waits for the aborted requests to finish. The trainer's
+weights → sync → resume KV cache and CUDA graphs → generate, so the sync's buckets never sit on top of a full KV
+cache (slime ``train.py``: ``onload(tags=[weights])``, ``update_weights()``, ``onload(tags=[kv_cache])``; NeMo-RL
+``prepare_for_generation(tags=["weights"])`` before the refit, ``tags=["kv_cache"]`` after). The engine resumes what
+is still released when it is next asked to generate (``SGLangEngine.generate_stream``), whoever asks.
+
+The phases start in the rollout phase, in the same state as after every ``to_rollout``: the constructor offloads
+the trainer's grad buffers and optimizer states (present after a resume, and the DDP grad buffers from the start)
+and releases the engines' KV cache and CUDA graphs until the first generation, so the first sync and the first
+rollout of a run, or of a resumed one, fit in what ``plan.py``'s rollout phase counts.
+
+``release_memory_occupation`` asserts that the server is idle: the loop has aborted what dynamic sampling did not
+keep before ``to_train``, and the engine waits for a /flush_cache to succeed first (``SGLangEngine.sleep``). The trainer's
 side uses megatron-core's own RL hooks (``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers``,
 ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``); its weights stay on the GPU (what ``plan.py``'s rollout
 phase counts). On a CPU there is no accelerator memory to hand over: the trainer's calls are no-ops there, the
@@ -31,6 +41,8 @@ from typing import Any
 import torch
 
 from megatron_dapo.rollout.driver import control_barrier, is_driver
+
+AFTER_SYNC = ["kv_cache", "cuda_graph"]  # resumed after the weight sync (SGLangEngine.generate_stream resumes them)
 
 
 class NoPhases:
@@ -67,8 +79,9 @@ def reload_train_state(actor: Any) -> None:
 
 class MemoryPhases:
     """Colocated: the GPU alternates between the rollout phase (engines hold their weights and KV cache, the trainer
-    only its weights) and the train phase (engines released). Starts in the rollout phase (servers up, no optimizer
-    state yet). ``log`` records each transition with its seconds (``timings``)."""
+    only its weights) and the train phase (engines released). Starts in the rollout phase: the constructor offloads
+    the trainer's state and releases the engines' KV cache and CUDA graphs (resumed at the first generation).
+    ``log`` records each transition with its seconds (``timings``)."""
 
     colocated = True
 
@@ -78,6 +91,12 @@ class MemoryPhases:
         self.phase = "rollout"
         self.log: list[str] = []
         self.timings: dict[str, float] = {}
+        self._offload(actor)  # grad buffers (and, resumed, Adam states) are on the GPU until now
+        self.log.append("trainer offloaded")
+        if is_driver() and engine is not None:
+            engine.sleep(AFTER_SYNC)  # idle at start; the first sync runs on the weights alone, as every later one
+            self.log.append("engines released kv_cache, cuda_graph")
+        control_barrier()  # released before any rank's first sync reaches an engine (per-node sync: node_sync.py)
 
     def to_train(self) -> None:
         if self.phase == "train":
@@ -100,8 +119,8 @@ class MemoryPhases:
         self.log.append("trainer offloaded")
         control_barrier()  # every rank on the engines' GPUs has offloaded
         if is_driver() and self.engine is not None:
-            self.engine.wake()  # every tag; the weights are stale until the sync that follows
-            self.log.append("engines resumed")
+            self.engine.wake(["weights"])  # stale until the sync; KV cache + graphs at the next generation
+            self.log.append("engines resumed weights")
         control_barrier()  # resumed before any rank sends an engine weights (per-node sync: node_sync.py)
         self.phase = "rollout"
         self.timings["time/phase_to_rollout_s"] = time.monotonic() - t0

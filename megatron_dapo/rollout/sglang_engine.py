@@ -39,8 +39,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.rollout import sglang_types as T
-from megatron_dapo.rollout.engine import Bucket, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
-from megatron_dapo.rollout.sglang_server import DTYPE_NAMES, ServerUnavailable, SGLangServer, http_call, server_args
+from megatron_dapo.rollout.engine import (
+    Bucket,
+    GenRequest,
+    RolloutError,
+    Sample,
+    SamplingParams,
+    TokenizerInfo,
+    sample_seed,
+)
+from megatron_dapo.rollout.sglang_server import (
+    DTYPE_NAMES,
+    ServerRequestError,
+    ServerUnavailable,
+    SGLangServer,
+    http_call,
+    server_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +119,7 @@ class SGLangEngine:
         self._version = 0
         self._inflight: dict[str, str] = {}  # rid -> URL it was sent to
         self._abort_gen = 0  # bumped by abort(); requests of an older generation are dropped
+        self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
         if start:
             self.start()
 
@@ -208,11 +224,44 @@ class SGLangEngine:
             return [f.result() for f in futures]
 
     def sleep(self, tags: list[str] | None = None, idle_timeout_s: float = 120.0) -> None:
-        """Release GPU memory (servers need --enable-memory-saver, i.e. rollout.colocate); no tags = all of it.
-        SGLang asserts the server is idle (an assertion in its scheduler: a busy server would die), so this first
-        waits until every worker has no running or waiting request (aborted requests drain in a moment)."""
+        """Release GPU memory (servers need --enable-memory-saver, i.e. rollout.colocate); no tags = all it holds.
+
+        SGLang's handler asserts ``is_fully_idle`` (``weight_updater.py`` ``release_memory_occupation``: no running
+        batch, no chunked prefill, no last batch, an empty result queue); a failed assert in the scheduler kills the
+        server (SIGQUIT). /v1/loads counts only running and waiting requests: it reads 0/0 during a chunked prefill
+        (``load_inquirer.py`` ``get_loads``). So, as slime does, a /flush_cache that succeeds (it runs only when the
+        scheduler is fully idle, and clears ``last_batch``) comes first, retried until it answers 200."""
+        want = list(tags or T.MEMORY_TAGS)
+        if all(t in self._released[x.url] for x in self.servers for t in want):
+            return
         self.wait_idle(idle_timeout_s)
-        self.call_workers("/release_memory_occupation", T.ReleaseMemoryRequest(tags=tags).to_json())
+        self.flush_when_idle(idle_timeout_s)
+        self._memory_call("/release_memory_occupation", want, held=True)
+
+    def flush_when_idle(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """/flush_cache on every worker until each answers 200 (the scheduler flushes only when fully idle; its
+        ``?timeout=`` lets it wait for that itself); RolloutError naming the workers still refusing after
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+
+        def flush(s: SGLangServer) -> None:
+            while True:
+                wait = max(0.0, min(10.0, deadline - time.monotonic()))
+                try:
+                    http_call(s.url, f"/flush_cache?timeout={wait:.1f}", {}, timeout=wait + self.server_timeout)
+                    return
+                except ServerRequestError as e:  # 400: not idle yet (or another flush in progress)
+                    if time.monotonic() >= deadline:
+                        raise RolloutError(
+                            f"{s.url}: /flush_cache still refused after {timeout_s:.0f} s ({e}): the scheduler is "
+                            "not idle (a chunked prefill or a batch's result pending), and releasing its memory now "
+                            "would fail SGLang's idle assertion and kill the server"
+                        ) from None
+                    time.sleep(poll_s)
+
+        with cf.ThreadPoolExecutor(max_workers=len(self.servers)) as ex:
+            for f in [ex.submit(flush, s) for s in self.servers]:
+                f.result()
 
     def wait_idle(self, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
         """Until every worker's /v1/loads shows no running and no waiting request; RolloutError naming the busy ones."""
@@ -229,7 +278,28 @@ class SGLangEngine:
             time.sleep(poll_s)
 
     def wake(self, tags: list[str] | None = None) -> None:
-        self.call_workers("/resume_memory_occupation", T.ResumeMemoryRequest(tags=tags).to_json())
+        """Resume what ``sleep`` released (no tags: all of it), in the order given; a tag not released is skipped
+        (SGLang's resume handler removes each tag from its set: an unknown one raises in the scheduler)."""
+        self._memory_call("/resume_memory_occupation", list(tags or T.MEMORY_TAGS), held=False)
+
+    def _memory_call(self, path: str, tags: list[str], held: bool) -> None:
+        """Release (``held``: the tags a worker still holds) or resume (those it released) on every worker, each
+        worker asked only for its own tags (a restarted server holds everything again)."""
+        by_tags: dict[tuple[str, ...], list[SGLangServer]] = {}
+        for x in self.servers:
+            mine = tuple(t for t in tags if (t in self._released[x.url]) != held)
+            if mine:
+                by_tags.setdefault(mine, []).append(x)
+        for mine, servers in by_tags.items():
+            body = (T.ReleaseMemoryRequest if held else T.ResumeMemoryRequest)(tags=list(mine)).to_json()
+            self.call_workers(path, body, servers)
+            for x in servers:
+                (self._released[x.url].update if held else self._released[x.url].difference_update)(mine)
+
+    def released(self, url: str | None = None) -> list[str]:
+        """The memory tags released (on ``url``, default the first worker) and not yet resumed, in SGLang's order."""
+        mine = self._released[url or self.servers[0].url]
+        return [t for t in T.MEMORY_TAGS if t in mine]
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Protocol method: a plain (unverified) update through safetensors on disk. The trainer uses
@@ -251,6 +321,7 @@ class SGLangEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise RolloutError(f"prompt {i} is empty")
+        self.wake()  # what the phases left released until now (KV cache, CUDA graphs: resumed after the sync)
         gen = self._abort_gen
         tag = uuid.uuid4().hex[:12]
         attempts: dict[tuple[int, int], int] = {}
@@ -300,6 +371,49 @@ class SGLangEngine:
             for fut, (rid, url) in pending.items():
                 if fut.cancel():  # never ran: no longer assigned to its worker
                     self._unassign(rid, url)
+
+    def generate_requests(self, requests: list[GenRequest], sampling: SamplingParams) -> Iterator[Sample]:
+        """One sample per request (partial rollout: its own input, budget and seed), each as it finishes,
+        ``prompt_index`` = the request's position. After ``abort()`` keep iterating: the rest come back with
+        finish_reason 'abort' and what SGLang generated until the abort (an aborted /generate answers 200 with its
+        output_ids and logprobs so far: tests/sglang/test_partial.py), none for requests not yet sent."""
+        for i, r in enumerate(requests):
+            if not r.input_ids or r.max_new_tokens < 1:
+                raise RolloutError(f"request {i}: empty input or a budget of {r.max_new_tokens} tokens")
+        self.wake()  # as generate_stream
+        gen, tag = self._abort_gen, uuid.uuid4().hex[:12]
+        attempts: dict[int, int] = {}
+        pending: dict[cf.Future, int] = {}
+        routes: dict[int, str] = {}
+
+        def submit(i: int) -> None:
+            attempts[i] = attempts.get(i, 0) + 1
+            rid = f"{tag}-{i}-{attempts[i]}"
+            req = self._request(requests[i].input_ids, sampling, requests[i].seed, rid)
+            req.sampling_params.max_new_tokens = requests[i].max_new_tokens
+            url = self._pick_url(routes, requests[i].route, rid, retry=attempts[i] > 1)
+            pending[self._pool.submit(self._run, (i, 0), req, gen, url)] = i
+
+        for i in range(len(requests)):
+            submit(i)
+        while pending:
+            finished, _ = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            if not finished and self._abort_gen != gen:
+                self.abort()  # an abort that reached a server before its request did: once more
+            for fut in finished:
+                i = pending.pop(fut)
+                result = fut.result()
+                if isinstance(result, _Failed):
+                    if self._abort_gen != gen:  # aborted anyway: what it had is lost with its server
+                        result = Sample(list(requests[i].input_ids), [], [], "abort", prompt_index=i)
+                    elif attempts[i] > self.max_retries:
+                        raise RolloutError(f"request {i}: no answer after {attempts[i]} attempts: {result.error}")
+                    else:
+                        self._recover()
+                        self.metrics["reissued"] += 1
+                        submit(i)
+                        continue
+                yield result
 
     def _request(self, prompt: list[int], sp: SamplingParams, seed: int | None, rid: str) -> T.GenerateRequest:
         stop = sorted(set(sp.stop_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
@@ -422,5 +536,6 @@ class SGLangEngine:
                 s.wait_healthy(self.server_timeout)
             else:
                 s.restart(self.server_timeout)
+            self._released[s.url] = set()  # a new server process holds all its memory
         if self._version != 0:
             self.resync(dead)

@@ -4,7 +4,8 @@ for GPU and CPU; the device, the process-group backend and the tensor-sharing st
 
 * ``tensor``: each bucket flattened into one ``FlattenedTensorBucket`` and POSTed to /update_weights_from_tensor,
   serialized once PER RECEIVING TP RANK (a CUDA IPC handle is for one consumer: torch counts its references per
-  share), CUDA IPC handles on GPU (same node), shared-memory files on a CPU.
+  share), CUDA IPC handles on GPU (same node), shared-memory files on a CPU. In a per-node sync each TP rank's
+  serialization comes from the trainer rank on that TP rank's GPU (``gathering``; node_sync.py).
 * ``distributed``: a process group {this process = rank 0, every server TP rank} (/init_weights_update_group); each
   bucket announced by /update_weights_from_distributed (``load_format="flattened_bucket"``) and broadcast as one
   flat tensor. If a server refuses the announcement the broadcast can never complete: the error is raised and the
@@ -14,7 +15,9 @@ for GPU and CPU; the device, the process-group backend and the tensor-sharing st
 SGLang 0.5.23 refuses tensor and distributed updates outside a /begin_weight_update ... /end_weight_update session
 (HTTP 400): both run inside one, closed even when an update fails. Updates are sent with ``flush_cache=False`` and
 the radix cache is flushed once at the end (``/flush_cache?timeout=``, which waits for aborted requests to drain).
-Every sync is verified against /weights_checker (``sglang_layout.ServerChecksums``).
+Every sync is verified against /weights_checker (``sglang_layout.ServerChecksums``). Each of these requests names its
+sender in the query (``?poster=rank<RANK>.<node>``, ``poster_tag``): SGLang ignores the parameter and its access log
+records it, so a server's own log says which rank of which node updated it (tests/slurm/test_colocated_sglang.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0  # /flush_cache waits this long for running (e.g. just aborted) requests to finish
 
 
+def poster_tag(env: dict | None = None) -> str:
+    """``rank<RANK>.<node>`` of this process (Slurm's node name, else the host name), URL-safe."""
+    from urllib.parse import quote
+
+    env = os.environ if env is None else env
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return quote(f"rank{env.get('RANK', '0')}.{node}", safe="")
+
+
+def with_poster(path: str, tag: str) -> str:
+    return f"{path}{'&' if '?' in path else '?'}poster={tag}"
+
+
 class SGLangSync(WeightSync):
     """The part every SGLang transport shares: requests to the workers, the session, the flush, verification."""
 
@@ -66,8 +82,9 @@ class SGLangSync(WeightSync):
 
         bodies = body if isinstance(body, list) else [body] * len(servers)
         timeout = timeout or self.engine.server_timeout
+        tagged = with_poster(path, poster_tag())  # errors below name the plain path
         with cf.ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
-            futures = [ex.submit(http_call, s.url, path, b, timeout) for s, b in zip(servers, bodies)]
+            futures = [ex.submit(http_call, s.url, tagged, b, timeout) for s, b in zip(servers, bodies)]
         answers, errors = [], []
         for s, fut in zip(servers, futures):
             try:
@@ -174,23 +191,51 @@ class TensorSync(SGLangSync):
         if self.platform.sharing_strategy:  # see PLATFORMS: the server cannot rebuild fd-shared CPU storages
             torch.multiprocessing.set_sharing_strategy(self.platform.sharing_strategy)
 
-    def _send(self, buckets: Iterable[list], version: int, workers: list | None) -> None:
+    gather: Any = None  # node_sync.GpuGather while a per-node sync runs: TP rank i's handle from the rank on GPU i
+
+    @contextlib.contextmanager
+    def gathering(self, gather: Any) -> Iterator[None]:
+        """Within: TP rank i of the (one) engine is sent the serialization that ``gather`` collects from the trainer
+        rank on its GPU, not one made here (node_sync.py)."""
+        self.gather = gather
+        try:
+            yield
+        finally:
+            self.gather = None
+
+    def serialize(self, bucket: list) -> tuple[dict, str, str]:
+        """(payload kept alive until the server has read it, SGLang's serialization of it, the bucket's key): one
+        ``FlattenedTensorBucket`` on this process's device, serialized by SGLang's ``MultiprocessingSerializer``."""
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-        if self.platform.patch_ipc_reductions:
+        if self.platform.patch_ipc_reductions:  # idempotent
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
             monkey_patch_torch_reductions()
+        named = self._on_device(bucket)
+        fb = FlattenedTensorBucket(named_tensors=named)
+        payload = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
+        torch.get_device_module(self.device).synchronize()
+        return payload, MultiprocessingSerializer.serialize(payload, output_str=True), bucket_key(named)
+
+    def _send(self, buckets: Iterable[list], version: int, workers: list | None) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
         servers = self._servers(workers)
+        gather = self.gather
+        if gather is not None and (len(servers) != 1 or servers[0].tp_size != gather.size):
+            raise WeightSyncError(f"per-GPU gather of {gather.size} ranks for {servers}: one engine of that TP size")
         with self._session(servers):
             for bucket in buckets:
-                fb = FlattenedTensorBucket(named_tensors=self._on_device(bucket))
-                payload = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
-                torch.get_device_module(self.device).synchronize()
+                payload, blob, key = self.serialize(bucket)
+                own = [blob]  # one serialization per receiving TP rank, never one blob shared
+                if gather is not None:
+                    own = gather.blobs(gather.collect((key, blob)), key)  # TP rank i <- the rank on GPU i
                 bodies = []
-                for s in servers:  # one serialization per receiving TP rank, never one blob shared
-                    blobs = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(s.tp_size)]
+                for s in servers:
+                    blobs = [own.pop(0) if own else MultiprocessingSerializer.serialize(payload, output_str=True)
+                             for _ in range(s.tp_size)]  # fmt: skip
                     req = T.UpdateWeightsFromTensorRequest(
                         serialized_named_tensors=blobs,
                         load_format="flattened_bucket",
@@ -199,8 +244,30 @@ class TensorSync(SGLangSync):
                     )
                     bodies.append(req.to_json())
                 self._post(servers, "/update_weights_from_tensor", bodies)
-                del fb, payload  # the servers have copied the data: the shares may go
+                del payload  # the servers have copied the data: the shares may go
         self._flush(servers)
+
+    def send_as_peer(self, buckets: Iterable[list], gather: Any) -> str | None:
+        """A trainer rank on GPU i of an engine whose poster is another rank: serialize each bucket here and hand
+        it to the poster (``gather``), one collective per bucket whatever fails; the first error, or None."""
+        error = None
+        for bucket in buckets:
+            keep, item = None, None
+            if error is None:
+                try:
+                    keep, blob, key = self.serialize(bucket)
+                    item = (key, blob)
+                except Exception as e:  # noqa: BLE001 - reported to the poster and to every rank
+                    error = f"rank {torch.distributed.get_rank()} serializing: {type(e).__name__}: {e}"
+            gather.collect(item or error, keep=keep)
+        return error
+
+
+def bucket_key(named: list[tuple[str, torch.Tensor]]) -> str:
+    """What must be equal in every rank's copy of a bucket: names, shapes, dtypes (a short digest)."""
+    import hashlib
+
+    return hashlib.sha1(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named]).encode()).hexdigest()[:16]
 
 
 class DistributedSync(SGLangSync):

@@ -14,8 +14,12 @@ import time
 
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.phases import MemoryPhases
+from megatron_dapo.rollout.sglang_sync import TensorSync
+from tests.sglang.helpers import buckets
 
-ENDPOINTS = ("/v1/loads", "/release_memory_occupation", "/resume_memory_occupation", "/generate", "/abort_request")
+ENDPOINTS = ("/v1/loads", "/release_memory_occupation", "/resume_memory_occupation", "/generate", "/abort_request",
+             "/flush_cache", "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+             "/weights_checker")  # fmt: skip
 
 
 def seen(server, since: int) -> list[str]:
@@ -29,11 +33,14 @@ def seen(server, since: int) -> list[str]:
     return out
 
 
-def test_release_train_resume_generate_on_the_real_server(engine, server):
+def test_release_train_resume_sync_generate_on_the_real_server(engine, server, initial_weights):
+    """One step of the colocated loop; issue 22 #9: the weights alone are resumed before the sync, the KV cache and
+    CUDA graphs after it (the second /resume_memory_occupation), before the next generation."""
     since = len(server.log_path.read_text(errors="replace"))
     calls = []
     phases = MemoryPhases(engine, "actor", offload=lambda a: calls.append("offload"),
                           reload=lambda a: calls.append("reload"))  # fmt: skip
+    assert engine.released() == ["kv_cache", "cuda_graph"]  # from the start: until the first generation
     # a rollout whose surplus is aborted mid-generation, as dynamic sampling does: the release must wait for idle
     sampling = SamplingParams(max_new_tokens=400, temperature=1.0)  # no EOS: runs to the cap
     worker = threading.Thread(target=lambda: engine.generate([[1, 2, 3]] * 4, sampling, n=2), daemon=True)
@@ -41,16 +48,29 @@ def test_release_train_resume_generate_on_the_real_server(engine, server):
     time.sleep(1.0)
     engine.abort()
     worker.join(60)
+    assert engine.released() == []
     phases.to_train()
     calls.append("train")
+    assert engine.released() == ["kv_cache", "weights", "cuda_graph"]
     phases.to_rollout()
+    assert engine.released() == ["kv_cache", "cuda_graph"]
+    report = TensorSync(engine).sync(buckets(initial_weights), version=engine.weight_version)  # the server's own
+    assert report.verified and engine.released() == ["kv_cache", "cuda_graph"]
     out = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
-    assert out[0].finish_reason == "length" and engine.health()
-    assert calls == ["reload", "train", "offload"]
-    order = [e for e in seen(server, since) if not e.startswith(("/abort_request", "/v1/loads"))]
-    # the rollout's requests, then release -> resume -> the next generation, each answered 200
-    first_release = order.index("/release_memory_occupation 200")
-    assert order[first_release:] == ["/release_memory_occupation 200", "/resume_memory_occupation 200",
-                                     "/generate 200"], order  # fmt: skip
-    assert all(e.startswith("/generate") for e in order[:first_release]) and order[:first_release]
+    assert out[0].finish_reason == "length" and engine.health() and engine.released() == []
+    assert calls == ["offload", "reload", "train", "offload"]
+    order = [e for e in seen(server, since) if not e.startswith(("/abort_request", "/v1/loads", "/flush_cache 400"))]
+    first = order.index("/resume_memory_occupation 200")
+    assert order[:first] == ["/flush_cache 200", "/release_memory_occupation 200"], order  # the constructor's
+    last_release = len(order) - 1 - order[::-1].index("/release_memory_occupation 200")
+    rollout = order[first + 1 : last_release - 1]
+    assert rollout and all(e.startswith("/generate") for e in rollout), order
+    assert order[last_release - 1 :] == [
+        "/flush_cache 200", "/release_memory_occupation 200",  # to_train: a flush that succeeds, then the release
+        "/resume_memory_occupation 200",  # to_rollout: the weights
+        "/begin_weight_update 200", "/update_weights_from_tensor 200", "/end_weight_update 200", "/flush_cache 200",
+        "/weights_checker 200",  # the sync, its buckets beside the weights alone
+        "/resume_memory_occupation 200",  # KV cache + CUDA graphs, at the next generation
+        "/generate 200",
+    ], order  # fmt: skip
     assert "/v1/loads 200" in seen(server, since)  # the idle wait asked the server
