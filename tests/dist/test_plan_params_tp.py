@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_arch
-from megatron_dapo.plan import count_params
+from megatron_dapo.memory import actor_memory
+from megatron_dapo.plan import count_params, evaluate_layout
 from tests.helpers import REPO, run_torchrun
 
 WORKER = Path(__file__).with_name("plan_actor_worker.py")
@@ -33,11 +34,22 @@ def test_planner_bytes_equal_real_actor(tmp_path, tp, pp):
     for path in paths:
         arch, rows = load_arch(path), result[str(path)]
         assert len(rows) == tp * pp
+        # the two accountings under test: the actor's micro-batch budget (memory.actor_memory, fp32 here: 4 B weights,
+        # 4 B grad_reduce_in_fp32 buffers, Adam's two fp32 moments 8 B) and `dapo plan`'s (plan.evaluate_layout:
+        # bf16 weights and a 12 B optimizer with the fp32 master copy; its gradient term is fp32 as here). Both are
+        # of stage 0; the last stage is counted by the planner's count_params.
+        budget = actor_memory(arch, 256, 28, dtype_bytes=4, tp=tp, pp=pp)
+        planned = evaluate_layout(arch, 16, 12, 1, tp * pp, 80, tp=tp, pp=pp, cp=1, micro_batch_tokens=256,
+                                  distributed_optimizer=False).memory  # fmt: skip
         for r in rows:
-            n = count_params(arch, tp, pp, r["pp_rank"])
-            assert r["params"] == n, (path.name, r)
-            # fp32 on CPU: 4 B weights, 4 B gradients (grad_reduce_in_fp32 buffers), Adam's two fp32 moments = 8 B.
-            # (The planner's 12 B optimizer figure adds the fp32 master copy that bf16 training keeps.)
-            assert r["param_bytes"] == 4 * n
-            assert r["grad_bytes"] == 4 * n
-            assert r["optimizer_bytes"] == 8 * n
+            assert r["params"] == count_params(arch, tp, pp, r["pp_rank"]), (path.name, r)
+            if r["pp_rank"] != 0:
+                continue
+            assert planned.stage == 0 and r["params"] == planned.params, (path.name, r)
+            assert (r["param_bytes"], r["grad_bytes"], r["optimizer_bytes"]) == (
+                budget.weights,
+                budget.grads,
+                budget.optimizer,
+            ), (path.name, r)
+            assert r["grad_bytes"] == planned.grads and r["param_bytes"] == 2 * planned.weights  # fp32 vs bf16
+            assert planned.optimizer == 12 * r["params"]  # the planner's bf16 optimizer: master + 2 moments

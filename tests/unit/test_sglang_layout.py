@@ -17,10 +17,18 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     rec = ServerChecksums(torch.float32, "cpu", tp_size=4, head_dim=2)
     q, k, v = rows(8), rows(4, start=100), rows(4, start=200)  # 4 query heads, 2 KV heads of dim 2
     shards = rec._shards("model.layers.0.self_attn.qkv_proj.weight", (q, k, v))
-    for rank, shard in enumerate(shards):
-        head = rank // 2  # QKVParallelLinear: each KV head serves tp / num_kv_heads ranks
-        want = torch.cat([q[2 * rank : 2 * rank + 2], k[2 * head : 2 * head + 2], v[2 * head : 2 * head + 2]])
-        assert torch.equal(shard, want), rank
+    # SGLang 0.5.23 sglang/srt/layers/linear.py QKVParallelLinear: tp 4 >= 2 KV heads gives num_kv_heads = 1 and
+    # num_kv_head_replicas = 4 / 2 = 2 per rank (:1140-1142); the weight loader takes q shard tp_rank and k/v shard
+    # kv_tp_rank // num_kv_head_replicas (:1499-1502). Written out: ranks 0, 1 hold KV head 0; ranks 2, 3 KV head 1.
+    want = [
+        [q[0:2], k[0:2], v[0:2]],  # rank 0: query head 0, KV head 0
+        [q[2:4], k[0:2], v[0:2]],  # rank 1: query head 1, KV head 0
+        [q[4:6], k[2:4], v[2:4]],  # rank 2: query head 2, KV head 1
+        [q[6:8], k[2:4], v[2:4]],  # rank 3: query head 3, KV head 1
+    ]
+    assert len(shards) == 4
+    for rank, (shard, parts) in enumerate(zip(shards, want)):
+        assert torch.equal(shard, torch.cat(parts)), rank
 
 
 def test_split_rules_per_kind():
