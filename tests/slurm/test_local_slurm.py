@@ -81,7 +81,7 @@ def test_expand_nodelist_matches_scontrol(local_slurm, spec):
 @pytest.mark.timeout(120)
 def test_sbatch_scripts_are_accepted(local_slurm):
     for script, extra in [("dapo_32b.sbatch", ["--nodes=2"]), ("dapo_7b.sbatch", ["--nodes=2"]),
-                          ("dapo_tiny_cpu.sbatch", [])]:  # fmt: skip
+                          ("dapo_qwen3_32b.sbatch", ["--nodes=2"]), ("dapo_tiny_cpu.sbatch", [])]:  # fmt: skip
         out = local_slurm.run("sbatch", "--test-only", *extra, f"slurm/{script}", check=False)
         assert out.returncode == 0 and "to start at" in out.stderr and "n[1-2]" in out.stderr, (script, out.stderr)
     # the scheduler really checks the request: the 32B script's own 16 nodes do not fit the 2-node test cluster

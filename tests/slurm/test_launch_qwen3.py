@@ -1,0 +1,55 @@
+"""Issue 27: `dapo launch --recipe dapo_qwen3_32b --dry-run --nodes 16 model.hf_init=DIR` (no Slurm needed) prints a
+layout predicted to fit, with the parallel sizes slurm/dapo_qwen3_32b.sbatch passes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dapo.config import load_config
+from tests.helpers import REPO
+from tests.slurm.test_launch_plan import NO_SLURM_ENV
+
+# config.json of Qwen/Qwen3-32B (what `dapo train` compares model.arch with; the dry run only needs the directory)
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "head_dim": 128,
+             "intermediate_size": 25600, "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 64,
+             "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+             "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False}  # fmt: skip
+
+
+def sbatch_parallel() -> list[str]:
+    """The PARALLEL=(...) overrides of slurm/dapo_qwen3_32b.sbatch."""
+    text = (REPO / "slurm" / "dapo_qwen3_32b.sbatch").read_text()
+    return re.search(r"^PARALLEL=\(([^)]*)\)", text, re.M).group(1).split()
+
+
+def dapo_launch(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "launch", *args]
+    return subprocess.run(cmd, env=NO_SLURM_ENV, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_recipe_is_dapo_32b_on_qwen3():
+    cfg, base = load_config("dapo_qwen3_32b"), load_config("dapo_32b")
+    assert cfg.model.arch == "qwen3-32b" and cfg.train.name == "dapo_qwen3_32b"
+    assert (cfg.algo, cfg.train.lr, cfg.train.batch_prompts) == (base.algo, base.train.lr, base.train.batch_prompts)
+
+
+@pytest.mark.timeout(120)
+def test_dapo_qwen3_32b_dry_run_prints_a_layout_predicted_to_fit(tmp_path):
+    hf = tmp_path / "Qwen3-32B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN3_32B))
+    args = ["--recipe", "dapo_qwen3_32b", "--dry-run", "--nodes", "16", f"model.hf_init={hf}"]
+    out = dapo_launch(*args)
+    assert out.returncode == 0, out.stderr
+    assert "rollout engines: 32 SGLang servers, TP4 dp 1" in out.stdout and f"--model-path {hf}" in out.stdout
+    assert re.search(r"train phase: .* GiB: fits", out.stdout) and re.search(r"rollout phase: .* GiB: fits", out.stdout)
+    for extra in ([], sbatch_parallel()):  # the recipe alone and with the sbatch's sizes (FP8, SP, distributed opt.)
+        js = json.loads(dapo_launch(*args, "--json", *extra).stdout)
+        phases = js["memory"]["phases"]
+        assert js["memory"]["fits"] and all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
+    assert "model.fp8=e4m3" in sbatch_parallel() and phases["train"]["peak_gib"] > 60  # the 32B's numbers, not 0.6B's
