@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""GPU smoke test on one GPU, in minutes, with only PyTorch (CUDA) and megatron-core installed (no TE, no SGLang).
+"""GPU smoke test on one GPU (two for the IPC check when present), in minutes. Needs only PyTorch (CUDA) and
+megatron-core; uses Transformer Engine and SGLang when importable, and says which parts it skipped without them.
 
     python tools/gpu_smoke.py [--out DIR] [--seconds 420]      # make gpu-smoke
-    python tools/gpu_smoke.py --cpu-check                     # what a CPU can check: arguments, model builds
+    python tools/gpu_smoke.py --cpu-check                     # on a CPU: arguments, model builds, the IPC contract
 
 Checks, each a row of the table it prints (and writes to --out/gpu_smoke.{md,json}):
 1. megatron-core runs on CUDA with none of the CPU shims of ``actor/cpu.py`` applied;
@@ -12,14 +13,20 @@ Checks, each a row of the table it prints (and writes to --out/gpu_smoke.{md,jso
    utilisation (6·N·tokens / time / peak; attention FLOPs not counted), on the layer spec the machine gives (TE if
    installed, else megatron-core's local spec with shared-prompt rows);
 4. its peak memory (torch.cuda.max_memory_allocated) against the actor's memory model (``memory.actor_memory``);
-5. a CUDA-IPC hand-off: a flattened weight bucket shared with a second process, serialized once per consumer as the
-   SGLang tensor transport does (with SGLang's own serializer when sglang is importable, else torch's
-   ForkingPickler, which SGLang's wraps), rebuilt there and checksummed against the sender's checksum.
+5. with Transformer Engine: step 3 ran on TE's spec with THD-packed rows; the same step in FP8 (e4m3) on a GPU
+   with FP8 tensor cores;
+6. the weight-bucket hand-off of the ``tensor`` transport (``ipc_contract``): the payload ``TensorSync.serialize``
+   builds (``FlattenedTensorBucket`` + ``FlattenedTensorMetadata``, SGLang's ``MultiprocessingSerializer``, the
+   device-UUID patch of ``monkey_patch_torch_reductions`` on CUDA), one serialization per TP rank, each read in
+   another process (on GPU i when there are two) by SGLang's ``SafeUnpickler`` and ``FlattenedTensorBucket``
+   loader, as its TP worker does, and checksummed per tensor. ``--cpu-check`` runs it on shared-memory storages.
+   Without sglang: torch's ForkingPickler and dict metadata, reported as skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -53,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train_config(args, arch_name: str):
+def train_config(args, arch_name: str, extra: list[str] | None = None):
     from megatron_dapo.config import load_config
 
     seqs = args.groups * args.group
@@ -64,6 +71,7 @@ def train_config(args, arch_name: str):
         f"rollout.sampling.max_new_tokens={args.response_len}", "train.lr=1e-6", "train.min_lr=null",
         f"train.steps={args.steps + 1}",
         f"parallel.max_auto_micro_batch_tokens={max(8192, 2 * (args.prompt_len + seqs * args.response_len // 8))}",
+        *(extra or []),
     ])  # fmt: skip
 
 
@@ -133,13 +141,13 @@ def check_logits(work: Path) -> dict:
             "detail": f"max |Δ logprob| = {gap:.2e} over {tokens.numel() - 4} tokens"}  # fmt: skip
 
 
-def check_train_step(args) -> tuple[dict, dict]:
+def check_train_step(args, extra: list[str] | None = None) -> tuple[dict, dict]:
     import torch
 
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.memory import GiB, actor_memory, total_params
 
-    cfg = train_config(args, args.arch)
+    cfg = train_config(args, args.arch, extra)
     actor = MegatronActor(cfg)
     n_params = total_params(actor.arch)
     actor.train_step(make_sequences(args, actor.arch.vocab_size, seed=0))  # warm-up: kernels, allocator, Adam
@@ -175,65 +183,161 @@ def check_train_step(args) -> tuple[dict, dict]:
     return speed, memory
 
 
-def serialize_once_per_consumer(payload, consumers: int) -> tuple[list, str]:
-    """SGLang's MultiprocessingSerializer when sglang is importable, else torch's ForkingPickler (which it wraps)."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
+def have(module: str) -> bool:
+    import importlib.util
 
-        return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(consumers)], "sglang"
-    except ImportError:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _checksums(named) -> dict[str, tuple[float, float]]:
+    """Per tensor: (sum, position-weighted sum) in float64, wherever the tensor lives."""
+    import torch
+
+    out = {}
+    for name, t in named:
+        x = t.detach().reshape(-1).double()
+        w = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder(1021).add(1)
+        out[name] = (float(x.sum().cpu()), float((x * w).sum().cpu()))
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(x - y) <= 1e-9 * max(1.0, abs(y)) for k in a for x, y in zip(a[k], b[k]))
+
+
+def _consume(blobs: list, device: str, how: str, queue) -> None:
+    """The receiving process, as SGLang's TP worker reads its own serialization (``tp_worker.py``
+    ``deserialize_own_rank``: the device-UUID patch on CUDA, ``MultiprocessingSerializer.deserialize`` = its
+    ``SafeUnpickler``; then ``FlattenedTensorBucket(flattened_tensor=, metadata=).reconstruct_tensors()``)."""
+    try:
+        import torch
+
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        got = []
+        for blob in blobs:
+            if how == "sglang":
+                from sglang.srt.utils import MultiprocessingSerializer
+                from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+                if device.startswith("cuda"):
+                    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+                    monkey_patch_torch_reductions()
+                data = MultiprocessingSerializer.deserialize(blob)
+                fb = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+                named = fb.reconstruct_tensors()
+            else:  # torch alone: a dict of views over the flat tensor
+                import base64
+                import pickle
+
+                data = pickle.loads(base64.b64decode(blob))
+                flat, named, at = data["flattened_tensor"], [], 0
+                for m in data["metadata"]:
+                    n = int(torch.Size(m["shape"]).numel())
+                    named.append((m["name"], flat[at : at + n].view(m["shape"])))
+                    at += n
+            got.append((sorted({str(t.device) for _, t in named}), _checksums(named)))
+        queue.put(("ok", got))
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def ipc_contract(device: str, consumers: int = 2) -> tuple[dict, list[str]]:
+    """A weight bucket handed to ``consumers`` other processes (TP ranks; on CUDA one per GPU when there are that
+    many) the way the ``tensor`` transport does it: the payload our ``TensorSync.serialize`` builds (one
+    ``FlattenedTensorBucket``, its ``FlattenedTensorMetadata``, the device-UUID patch on CUDA, SGLang's
+    ``MultiprocessingSerializer``), one serialization per consumer, each read back by SGLang's safe unpickler and
+    loader in the consumer and checksummed against the sender. Without sglang: torch's ForkingPickler and a dict of
+    metadata (the row says so). Returns (row, what was skipped)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    skipped = []
+    g = torch.Generator().manual_seed(0)
+    bucket = [(f"model.layers.{i}.w", torch.randn(*shape, generator=g)) for i, shape in
+              enumerate([(256, 128), (128,), (512, 64)])]  # fmt: skip
+    cuda = device.startswith("cuda")
+    gpus = torch.cuda.device_count() if cuda else 0
+    if cuda and gpus < 2:
+        skipped.append("a consumer on a second GPU (one GPU here)")
+    # TP rank i's serialization is made on GPU i (per-GPU senders, node_sync.py), read by a process on GPU i
+    homes = [f"cuda:{i % gpus}" if cuda else "cpu" for i in range(consumers)]
+    payloads, blobs = [], []
+    if have("sglang"):
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+        from megatron_dapo.rollout.sglang_server import SGLangServer
+        from megatron_dapo.rollout.sglang_sync import TensorSync
+
+        how = "sglang"
+        engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", tp_size=consumers, device=device)],
+                              dtype="bfloat16", start=False)  # fmt: skip  # never contacted
+        sync = TensorSync(engine, verify="off")
+        for home in homes:  # one per consumer (TP rank), never one blob shared
+            with torch.cuda.device(home) if cuda else contextlib.nullcontext():
+                payload, blob, _ = sync.serialize(bucket)
+            payloads.append(payload)
+            blobs.append(blob)
+        engine.shutdown(stop_servers=False)
+        what = "FlattenedTensorBucket + SGLang's MultiprocessingSerializer / SafeUnpickler"
+        what += " + device-UUID patch" if cuda else ""
+    else:
         import base64
         import io
 
         from torch.multiprocessing.reductions import ForkingPickler
 
-        out = []
-        for _ in range(consumers):
+        how = "torch"
+        skipped.append("SGLang's transport contract (sglang not importable): torch's ForkingPickler + dict metadata")
+        for home in homes:
+            named = [(n, t.to(home, torch.bfloat16)) for n, t in bucket]
+            payloads.append({"flattened_tensor": torch.cat([t.reshape(-1) for _, t in named]),
+                             "metadata": [{"name": n, "shape": list(t.shape)} for n, t in named]})  # fmt: skip
             buf = io.BytesIO()
-            ForkingPickler(buf).dump(payload)
-            out.append(base64.b64encode(buf.getvalue()).decode())
-        return out, "torch ForkingPickler (sglang not installed)"
-
-
-def _receiver(blob: str, queue) -> None:  # in the second process: rebuild the shared bucket and checksum it
-    import base64
-    import pickle
-
-    import torch
-
-    payload = pickle.loads(base64.b64decode(blob))
-    flat = payload["flattened_tensor"]
-    queue.put((str(flat.device), float(flat.double().sum()), float((flat.double() * torch.arange(
-        flat.numel(), device=flat.device, dtype=torch.float64).remainder(1021).add(1)).sum())))  # fmt: skip
-
-
-def check_ipc() -> dict:
-    import torch
-    import torch.multiprocessing as mp
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    named = [(f"w{i}", torch.randn(s, device="cuda", generator=g).to(torch.bfloat16)) for i, s in
-             enumerate([(256, 128), (128,), (512, 64)])]  # fmt: skip
-    flat = torch.cat([t.reshape(-1) for _, t in named])
-    meta = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in named]
-    payload = {"flattened_tensor": flat, "metadata": meta}
-    torch.cuda.synchronize()
-    weights = torch.arange(flat.numel(), device="cuda", dtype=torch.float64).remainder(1021).add(1)
-    expected = (float(flat.double().sum()), float((flat.double() * weights).sum()))
-    blobs, how = serialize_once_per_consumer(payload, consumers=2)
+            ForkingPickler(buf).dump(payloads[-1])
+            blobs.append(base64.b64encode(buf.getvalue()).decode())
+        what = "torch ForkingPickler"
+    sent = _checksums([(n, t.to(torch.bfloat16)) for n, t in bucket])
+    if cuda:
+        targets = [(home, [blob]) for home, blob in zip(homes, blobs)]
+    else:
+        targets = [("cpu", blobs)]  # one reading process for every TP rank's blob (shared-memory files)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     results = []
-    for blob in blobs:  # two consumers, each with its own serialization of the same storage
-        p = ctx.Process(target=_receiver, args=(blob, queue))
-        p.start()
-        results.append(queue.get(timeout=120))
-        p.join(60)
-    ok = all(dev.startswith("cuda") and abs(a - expected[0]) <= 1e-9 * max(1, abs(expected[0]))
-             and abs(b - expected[1]) <= 1e-9 * max(1, abs(expected[1])) for dev, a, b in results)  # fmt: skip
-    return {"check": "CUDA-IPC hand-off of a flattened bucket", "ok": ok,
-            "detail": f"{flat.numel() * 2 / 1e6:.2f} MB bf16 to 2 processes, one serialization each ({how}); "
-                      f"checksums {'equal' if ok else 'DIFFER'}"}  # fmt: skip
+    for dev, mine in targets:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_consume, args=(mine, dev, how, queue))
+        proc.start()
+        results.append((dev, queue.get(timeout=300)))
+        proc.join(60)
+    errors = [f"{dev}: {r[1]}" for dev, r in results if r[0] != "ok"]
+    read = [(dev, devs, sums) for dev, r in results if r[0] == "ok" for devs, sums in r[1]]
+    ok = not errors and len(read) == consumers
+    ok = ok and all(devs == [dev] and same(sums, sent) for dev, devs, sums in read)
+    del payloads
+    where = sorted({dev for dev, _ in targets})
+    detail = (f"{len(bucket)} tensors bf16 to {consumers} TP ranks in {len(targets)} process(es) on {where}, one "
+              f"serialization each ({what}); checksums {'equal' if ok else 'DIFFER'}")  # fmt: skip
+    if errors:
+        detail += f"; {'; '.join(errors)}"
+    return {"check": f"weight-bucket hand-off to other processes ({device})", "ok": ok, "detail": detail}, skipped
+
+
+def check_te_fp8(args) -> tuple[list[dict], list[str]]:
+    """One GPU, Transformer Engine importable: the train step above ran on TE's spec with THD-packed rows; here the
+    same step in FP8 (e4m3, delayed scaling) when the GPU has FP8 tensor cores (compute capability >= 8.9)."""
+    import torch
+
+    if not have("transformer_engine"):
+        return [], ["the THD-packed Transformer Engine step and its FP8 variant (transformer_engine not importable)"]
+    if torch.cuda.get_device_capability() < (8, 9):
+        return [], [f"the FP8 step ({torch.cuda.get_device_name()} has no FP8 tensor cores)"]
+    speed, _ = check_train_step(args, ["model.fp8=e4m3"])
+    speed["check"] = speed["check"].replace("bf16", "FP8 e4m3")
+    return [speed], []
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -251,7 +355,11 @@ def cpu_check(args) -> int:
     seqs = make_sequences(args, arch.vocab_size)
     print(f"cpu-check: {args.arch}, {len(seqs)} sequences, {sum(int(s.tokens.numel()) for s in seqs):,} tokens per "
           f"step; predicted {mem.explain()}")  # fmt: skip
-    return 0
+    row, skipped = ipc_contract("cpu")  # the transport contract on shared-memory storages
+    print(f"cpu-check: {row['check']}: {'ok' if row['ok'] else 'FAILED'}: {row['detail']}")
+    for part in skipped:
+        print(f"cpu-check: skipped {part}")
+    return 0 if row["ok"] else 1
 
 
 def main(argv=None) -> int:
@@ -272,15 +380,21 @@ def main(argv=None) -> int:
         teardown()
         rows += list(check_train_step(args))
         teardown()
-    rows.append(check_ipc())
+        fp8, skipped = check_te_fp8(args)
+        rows += fp8
+        teardown()
+    ipc, more = ipc_contract("cuda", consumers=2)
+    rows.append(ipc)
+    skipped += more
     table = ["| check | result | detail |", "|---|---|---|"]
     table += [f"| {r['check']} | {'ok' if r['ok'] else 'FAILED'} | {r['detail']} |" for r in rows]
     text = f"GPU smoke, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}\n\n" + "\n".join(table) + "\n"
+    text += "".join(f"\nskipped: {part}" for part in skipped) + ("\n" if skipped else "")
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_smoke.md").write_text(text)
-    (out / "gpu_smoke.json").write_text(json.dumps(rows, indent=2))
+    (out / "gpu_smoke.json").write_text(json.dumps({"rows": rows, "skipped": skipped}, indent=2))
     return 0 if all(r["ok"] for r in rows) else 1
 
 
