@@ -71,6 +71,38 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
     assert any(k.startswith("eval/") for k in rows[5]) and (run / "hf" / "config.json").is_file()
 
 
+def test_sigusr1_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
+    """The time-limit signal under torchrun, 2 ranks (TP 2): SIGUSR1 to every rank (what `srun --signal`/`scancel
+    --signal=USR1` send; torchrun itself would die of it) -> each survives, rank 0's request is agreed by all, both
+    save the step, torchrun exits 0; `--resume auto` on 2 ranks continues from that step to the end."""
+    import psutil
+
+    args = ["train", "--recipe", "demo_cpu", *BASE, "parallel.tp=2", "train.save_interval=0", "train.steps=6",
+            "eval.interval=0", "train.export_hf=false", f"train.run_dir={tmp_path}", "train.name=tr"]  # fmt: skip
+    run = tmp_path / "tr"
+    cmd = [*torchrun_cmd(2), "-m", "megatron_dapo.cli", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run, 1, proc)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "megatron_dapo.cli" in p.cmdline()]
+        assert len(ranks) == 2, ranks
+        for p in ranks:
+            p.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stopped_at = metrics(run)[-1]["step"]
+    assert 1 <= stopped_at < 6, f"the run ended at step {stopped_at}: the signal came too late to test a stop"
+    assert f"stopped after step {stopped_at} of 6 (SIGUSR1); saved {run}/checkpoints/step_{stopped_at:06d}" in out
+    ckpt = run / "checkpoints" / f"step_{stopped_at:06d}"
+    assert (ckpt / "dapo_meta.json").is_file()
+    resumed = dapo(*args, nproc=2)
+    assert f"resuming from {ckpt} (step {stopped_at})" in resumed.stdout
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+
+
 def test_fresh_start_over_an_existing_run_is_refused(tmp_path):
     args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}", "train.name=r"]
     dapo(*args)

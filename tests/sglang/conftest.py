@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, api_key
 from tests.sglang.helpers import ARCH, cpu_server, make_engine, random_weights, save_model
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -44,7 +45,11 @@ def model_dir(tmp_path_factory, initial_weights) -> Path:
 def server(model_dir, tmp_path_factory):
     """The session's server; a test that kills it leaves it to the next ``engine`` fixture to restart."""
     s = cpu_server(model_dir, tmp_path_factory.mktemp("sglang_logs") / "server.log")
-    s.start()
+    # started as under `dapo launch`, the key in the starting process's environment: test_security.py checks that its
+    # value reaches no environment, command line or log of the server's processes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(API_KEY_ENV, api_key())
+        s.start()
     s.wait_healthy(300)
     yield s
     s.stop()

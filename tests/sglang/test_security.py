@@ -36,7 +36,8 @@ def test_the_key_is_in_no_command_line_no_log_and_a_private_file(server):
     assert len(group) >= 2, "the redacting wrapper and the server"
     for p in group:
         assert key not in b"\0".join(s.encode() for s in p.cmdline()), f"the key is on the command line of {p}"
-        assert b"DAPO_SGLANG_API_KEY" not in _environ(p.pid)
+        env = _environ(p.pid)  # the server was started with the key in its parent's environment (conftest.py)
+        assert key not in env and b"DAPO_SGLANG_API_KEY" not in env, f"the key is in the environment of {p}"
     log = server.log_path.read_bytes()
     assert b"'api_key': '<redacted>'" in log, "SGLang logs its server_args: the wrapper must have redacted them"
     assert key not in log
