@@ -6,7 +6,7 @@ CI) passes silently.
     problems = check(needs, probe(needs))          # pure: facts in, lines out
     preflight(cfg, ...)                            # probe + check; PreflightError (a ConfigError) listing them
 
-``python -m megatron_dapo.preflight`` prints this interpreter's facts as JSON: how ``dapo launch`` probes the
+``python -m megatron_dapo.preflight [NEEDS]`` prints this interpreter's facts as JSON: how ``dapo launch`` probes the
 interpreter its steps run (``--python``) when that is not its own.
 """
 
@@ -135,7 +135,8 @@ def probe_python(python: str, needs: Needs) -> Facts:
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         return probe(needs)
     try:
-        out = subprocess.run([python, "-m", "megatron_dapo.preflight"], capture_output=True, text=True, timeout=300)
+        cmd = [python, "-m", "megatron_dapo.preflight", json.dumps(asdict(needs))]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PreflightError(f"preflight: cannot run {python}: {e}") from e
     if out.returncode != 0:
@@ -184,5 +185,5 @@ def launch_preflight(cfg: DapoConfig, gpus_per_node: int, servers: int, python: 
     preflight(cfg, gpus_per_node, servers > 0, python=python, where="dapo launch", gpus_why=why)
 
 
-if __name__ == "__main__":
-    print(json.dumps(asdict(probe())))
+if __name__ == "__main__":  # [NEEDS as JSON]: what to probe (default: everything)
+    print(json.dumps(asdict(probe(Needs(**json.loads(sys.argv[1])) if len(sys.argv) > 1 else None))))

@@ -75,7 +75,10 @@ def test_dapo_train_refuses_before_building_anything(monkeypatch, capsys):
 
 
 def test_dapo_launch_refuses_before_any_job_step(tmp_path, monkeypatch, capsys):
+    from megatron_dapo import preflight
     from megatron_dapo.launch.slurm import main
+
+    monkeypatch.setattr(preflight, "probe", lambda needs=None: CPU)  # this machine (its sglang import: 15 s)
 
     bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
     bin_dir.mkdir()
@@ -105,3 +108,16 @@ def test_preflight_errors_are_config_errors():
     from megatron_dapo.config import ConfigError
 
     assert issubclass(PreflightError, ConfigError)
+
+
+def test_dapo_launch_probes_the_interpreter_its_steps_run(tmp_path):
+    from megatron_dapo.preflight import probe_python
+
+    other = tmp_path / "python"  # another interpreter (here this one behind a wrapper): probed in its own process
+    other.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    other.chmod(0o755)
+    facts = probe_python(str(other), needs_for(load_config("demo_cpu", ["model.transformer_impl=transformer_engine"])))
+    assert (facts.torch_cuda, facts.cuda_devices, facts.mcore) == (None, 0, "0.16.1")
+    assert facts.imports["transformer_engine.pytorch"].startswith("ModuleNotFoundError")  # what the needs asked
+    with pytest.raises(PreflightError, match=r"/usr/bin/false -m megatron_dapo\.preflight failed"):
+        probe_python("/usr/bin/false", needs_for(load_config("demo_cpu")))
