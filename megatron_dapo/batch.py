@@ -26,6 +26,9 @@ class Group:
     correct: list[bool]
     data_source: str = ""
     texts: list[str] = field(default_factory=list)
+    # partial rollout (rollout/schedule.py): per sample, per response token, how many weight versions older than the
+    # trainer's the weights it was sampled from are (0 = on-policy); empty = every token on-policy
+    token_lag: list[list[int]] = field(default_factory=list)
 
 
 def group_from_samples(prompt_ids: list[int], samples: list, results: list[dict], data_source: str) -> Group:
@@ -71,6 +74,7 @@ def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], 
                     advantage=float(row[j]),
                     loss_mask=mask,
                     rollout_logprobs=_rollout_logprobs(g.rollout_logprobs[j], len(resp)),
+                    tis_mask=_tis_mask(g, j, cfg),
                 )
             )
     lengths = torch.tensor([float(len(r)) for g in groups for r in g.responses])
@@ -88,6 +92,16 @@ def to_sequences(groups: list[Group], cfg: DapoConfig) -> tuple[list[Sequence], 
     return seqs, metrics
 
 
+def _tis_mask(g: Group, j: int, cfg: DapoConfig) -> torch.Tensor | None:
+    """Sample j's off-policy tokens, for TIS to weigh when it is on for those only (algo.tis auto, partial rollout);
+    None when TIS weighs every token (algo.tis on, precisions differ) or none, or the sample is all on-policy."""
+    if not g.token_lag or cfg.tis_enabled or not cfg.tis_possible or not any(g.token_lag[j]):
+        return None
+    if len(g.token_lag[j]) != len(g.responses[j]):
+        raise ValueError(f"{len(g.token_lag[j])} version tags for a response of {len(g.responses[j])} tokens")
+    return torch.tensor(g.token_lag[j]) > 0
+
+
 def _rollout_logprobs(logprobs: list[float], length: int) -> torch.Tensor | None:
     """The engine's logprobs of one response, or None when it returned none (sampling without logprobs)."""
     if not logprobs:
@@ -98,7 +112,8 @@ def _rollout_logprobs(logprobs: list[float], length: int) -> torch.Tensor | None
 
 
 def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -> dict[str, float]:
-    """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch).
+    """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch), the tokens sampled
+    from older weights (``Group.token_lag`` > 0: they differ by the policy's change, not by a mismatch) left out.
 
     The two must align token for token: a sequence whose rollout and actor logprobs differ in length (an off-by-one
     in the response offsets, a dropped EOS) is an error naming it, never silently left out of the statistic."""
@@ -112,7 +127,8 @@ def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -
                 f"logprob gap: group {gi} sample {j} has {len(r)} rollout logprobs but the actor computed "
                 f"{a.numel()} for it: rollout and training tokens are misaligned"
             )
-        gaps.append((torch.tensor(r, dtype=torch.float32) - a.float()).abs())
+        gap = (torch.tensor(r, dtype=torch.float32) - a.float()).abs()
+        gaps.append(gap[torch.tensor(groups[gi].token_lag[j], dtype=torch.long) == 0] if groups[gi].token_lag else gap)
     flat = torch.cat(gaps) if gaps else torch.zeros(0)
     if not flat.numel():
         return {"train/logp_gap_mean": 0.0, "train/logp_gap_max": 0.0, "train/logp_gap_tokens": 0.0}

@@ -20,8 +20,8 @@ from rich.progress import track
 from megatron_dapo import runs
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor, Sequence
-from megatron_dapo.algo.sampling import DynamicSampler, PromptOrderCollector
-from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, to_sequences
+from megatron_dapo.algo.sampling import DynamicSampler
+from megatron_dapo.batch import logprob_gap_stats
 from megatron_dapo.config import ConfigError, DapoConfig, load_arch, save_config
 from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
@@ -38,8 +38,9 @@ from megatron_dapo.rollout.driver import (  # noqa: F401  (DriverError: this mod
     scatter_batch,
     set_control_timeout,
 )
-from megatron_dapo.rollout.engine import SamplingParams, check_logprob_gap
+from megatron_dapo.rollout.engine import check_logprob_gap
 from megatron_dapo.rollout.phases import make_phases
+from megatron_dapo.rollout.schedule import make_schedule
 
 
 class Trainer:
@@ -76,6 +77,10 @@ class Trainer:
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         self.scorer = RewardScorer() if is_driver() else None
+        # when samples are generated and on which weights (sync, partial): asked for each batch, told each version
+        self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer)
+        if self._resume_extra:
+            self.schedule.load_state_dict(self._resume_extra)
         resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
         self.logger = (
             MetricsLogger(self.run_dir, wandb_project=cfg.train.wandb_project, config=cfg, resume=resume_log)
@@ -89,6 +94,7 @@ class Trainer:
         if self.start_step == 0 and cfg.train.supervised_warmup_steps:
             self.warm_start()
         self.rollout.sync_weights(self.actor, version=self.start_step)
+        self.schedule.weights_updated(self.start_step)
         last = {}
         steps = range(self.start_step + 1, cfg.train.steps + 1)
         started = time.monotonic()
@@ -96,20 +102,21 @@ class Trainer:
             times: dict[str, float] = {}
             with Timer("step", times):
                 with Timer("rollout", times):  # rank 0 generates; each DP rank is sent its share of the batch
-                    seqs, (metrics, sampling_stats) = scatter_batch(partial(self.rollout_batch, step), self.actor)
+                    seqs, (metrics, sampling_stats) = scatter_batch(partial(self.schedule.next_batch, step), self.actor)
                 self.samples_generated += sampling_stats["samples_generated"]
                 final = step == cfg.train.steps or self._budget_spent(started)
                 self.phases.to_train()  # colocated: engines release their memory, the trainer's state comes back
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
                 if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
-                    metrics.update(logprob_gap_stats(self.groups, [s.old_logprobs for s in seqs]))
+                    metrics.update(logprob_gap_stats(self.schedule.groups, [s.old_logprobs for s in seqs]))
                     metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old
                 metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
                 with Timer("sync", times):
                     metrics.update(self.rollout.sync_weights(self.actor, version=step))
+                self.schedule.weights_updated(step)
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
                     with Timer("eval", times):
                         metrics.update(self.evaluate(step))
@@ -143,43 +150,6 @@ class Trainer:
         return bool(broadcast(spent))
 
     # ------------------------------------------------------------------------------------------------------------------
-    def rollout_batch(self, step: int) -> tuple[list[Sequence], tuple[dict, dict]]:
-        """Rank 0: this step's groups (kept in ``self.groups``) as training sequences, (reward and sampling stats)."""
-        self.groups, stats = self.collect_groups(step)
-        seqs, metrics = to_sequences(self.groups, self.cfg)
-        return seqs, (metrics, stats)
-
-    def collect_groups(self, step: int) -> tuple[list[Group], dict]:
-        """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
-        cfg, sampler = self.cfg, self.sampler
-        engine = self.rollout.engine
-        if hasattr(engine, "new_step"):  # the restart budget is per step
-            engine.new_step()
-        batch_index, generated = 0, []
-        while not sampler.full:
-            items = self.prompts.take(cfg.algo.gen_batch_prompts)
-            seed = cfg.train.seed * 1_000_003 + step * 101 + batch_index
-            sampling = SamplingParams.from_config(cfg.rollout.sampling, seed=seed)
-            collector = PromptOrderCollector(len(items), sampler.missing, cfg.algo.dynamic_sampling)
-            for samples in engine.generate_stream([it.prompt_ids for it in items], sampling, n=cfg.algo.group_size):
-                item = items[samples[0].prompt_index]
-                results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
-                group = group_from_samples(item.prompt_ids, samples, results, item.data_source)
-                generated += group.correct
-                if collector.add(samples[0].prompt_index, group, torch.tensor(group.correct)):
-                    engine.abort()  # the first informative groups in prompt order are in: drop the rest
-                    break
-            sampler.add(*collector.take())
-            batch_index += 1
-        batch = sampler.take()
-        stats = sampler.stats()
-        stats["kept_groups"] = stats.pop("kept")
-        stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
-        stats["samples_generated"] = len(generated)
-        if hasattr(engine, "step_restarts"):
-            stats["server_restarts"] = engine.step_restarts
-        return batch, stats
-
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval on rank 0; the metrics on every rank."""
         max_new = self.cfg.rollout.sampling.max_new_tokens
@@ -225,8 +195,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        extra = {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict(), "step": step,
-                 "samples_generated": self.samples_generated}  # fmt: skip
+        # the schedule's state: prompt cursor, sampler counters, samples carried in flight (rank 0's is saved)
+        extra = {**self.schedule.state_dict(), "step": step, "samples_generated": self.samples_generated}
         self.actor.save(self.ckpt_dir / runs.checkpoint_dir_name(step), extra=extra)
         if is_driver() and self.cfg.train.keep_checkpoints:  # keep the newest train.keep_checkpoints, by step number
             for _, old in runs.checkpoints(self.ckpt_dir)[: -self.cfg.train.keep_checkpoints]:
@@ -268,6 +238,7 @@ class Trainer:
     def _restore(self, path: Path | None) -> int:
         """Load the resume checkpoint (or ``model.load`` / ``model.hf_init`` for a fresh start); return the step to
         continue after."""
+        self._resume_extra = None
         if path is None:
             if self.cfg.model.load:
                 self.actor.load(self.cfg.model.load, load_optimizer=False)
@@ -278,8 +249,7 @@ class Trainer:
             return 0
         extra = self.actor.load(path)
         self.samples_generated = int(extra.get("samples_generated", 0))
-        self.prompts.load_state_dict(extra["prompts"])
-        self.sampler.load_state_dict(extra["sampler"])
+        self._resume_extra = extra  # prompt cursor, sampler, carried samples: the schedule's, once it is built
         if is_driver():
             print(f"resuming from {path} (step {extra['step']})", flush=True)
         return int(extra["step"])

@@ -47,6 +47,7 @@ class Sequence:
     rollout_logprobs: torch.Tensor | None = None  # [R] fp32, the rollout engine's (truncated importance sampling)
     loss_mask: torch.Tensor | None = None  # [R] 1 = in the loss (overlong filtering zeroes truncated samples)
     entropy: torch.Tensor | None = None  # [R] of pi_old at each response position (set by train_step)
+    tis_mask: torch.Tensor | None = None  # [R] bool: tokens TIS weighs (partial rollout); None = per algo.tis
 
     @property
     def response_len(self) -> int:
@@ -112,7 +113,7 @@ def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[
     valid = torch.zeros(total, dtype=torch.bool)
     seq_id = torch.full((total,), -1, dtype=torch.long)
     resp_off = torch.zeros(total, dtype=torch.long)
-    old, rollout, adv, mask = (torch.zeros(total) for _ in range(4))
+    old, rollout, adv, mask, tis = (torch.zeros(total) for _ in range(5))
     for j, (s, off) in enumerate(zip(seqs, offsets)):
         r, start = s.response_len, off + s.prompt_len - 1  # position `start` predicts the first response token
         span = slice(start, start + r)
@@ -124,8 +125,9 @@ def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[
         rollout[span] = s.rollout_logprobs if s.rollout_logprobs is not None else 0.0
         adv[span] = float(s.advantage)
         mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
+        tis[span] = s.tis_mask.float() if s.tis_mask is not None else 0.0
     return {"labels": labels, "valid": valid, "seq_id": seq_id, "resp_off": resp_off, "old_logprobs": old,
-            "rollout_logprobs": rollout, "advantages": adv, "loss_mask": mask}  # fmt: skip
+            "rollout_logprobs": rollout, "advantages": adv, "loss_mask": mask, "tis_mask": tis}  # fmt: skip
 
 
 def _passthrough_head(hidden, weight=None, runtime_gather_output=None):
@@ -328,7 +330,7 @@ class MegatronActor:
         sel = {
             "index": b.target_index, "labels": b.labels, "seq_id": b.target_seq, "resp_off": b.target_offset,
             "old_logprobs": per_target("old_logprobs", 0.0), "rollout_logprobs": per_target("rollout_logprobs", 0.0),
-            "loss_mask": per_target("loss_mask", 1.0),
+            "loss_mask": per_target("loss_mask", 1.0), "tis_mask": per_target("tis_mask", 0.0),
             "advantages": torch.cat([torch.full((s.response_len,), float(s.advantage)) for s in order])
             if order else torch.zeros(0),
         }  # fmt: skip
@@ -439,7 +441,7 @@ class MegatronActor:
             if s.old_logprobs.numel() != s.response_len:
                 raise ValueError(f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
                                  f"{s.response_len} tokens")  # fmt: skip
-        tis_cap = a.tis_cap if self.cfg.tis_enabled else None
+        tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
         if tis_cap and any(s.rollout_logprobs is None for s in seqs):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
         for m in self.model:
@@ -472,6 +474,7 @@ class MegatronActor:
                     seq_ids=mb["sel_seq_id"][None],
                     rollout_logprobs=mb["sel_rollout_logprobs"][None] if tis_cap else None,
                     tis_cap=tis_cap,
+                    tis_mask=mb["sel_tis_mask"][None] if tis_cap and not self.cfg.tis_enabled else None,
                 )
                 out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
                 if from_forward:
@@ -565,8 +568,9 @@ class MegatronActor:
         loss = sum(g[1] for g in gathered if g) / self.cfg.num_updates
         total_tokens = sum(g[2] for g in gathered) / max(1, self.cfg.parallel.tp * self.cfg.parallel.pp)
         tis = {}
-        if self.cfg.tis_enabled:
-            tis = {f"train/{k}": float(m.get(k, 0.0)) for k in ("tis_mean", "tis_capped_frac", "tis_max")}
+        if self.cfg.tis_possible:
+            keys = ("tis_mean", "tis_capped_frac", "tis_max", "tis_token_frac")
+            tis = {f"train/{k}": float(m.get(k, 0.0)) for k in keys}
         return {
             **tis,
             "train/loss": loss,

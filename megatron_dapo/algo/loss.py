@@ -25,6 +25,8 @@ Rollout/train mismatch (truncated importance sampling; verl ``rollout_corr_helpe
 ``vanilla_tis_function``): when the rollout engine's logprobs ``rollout_logprobs`` are given with ``tis_cap`` C, each
 token's loss pg_t is multiplied by the constant weight w_t = min(exp(logp_old_t − logp_rollout_t), C), which corrects
 for sampling from π_rollout (another precision, other kernels) while the ratio r_t is taken against π_old.
+``tis_mask`` restricts the weights to some tokens (the others weigh 1): partial rollout corrects only the tokens
+sampled from older weights than π_old (the proximal policy; verl ``rollout_corr``, AReaL decoupled PPO).
 
 Metrics are computed over the valid tokens, without gradient. Besides the means they hold summable counts, so
 micro-batches (or ranks, after an all-gather) combine exactly with :func:`combine_loss_metrics`.
@@ -56,6 +58,7 @@ LOSS_METRIC_REDUCTIONS = {
     "tis_sum": "sum",  # importance weights (after the cap); 0 without TIS
     "tis_capped_tokens": "sum",
     "tis_max": "max",  # before the cap: how far the rollout strays
+    "tis_tokens": "sum",  # tokens weighted (all valid ones without a tis_mask)
 }
 
 
@@ -113,6 +116,7 @@ def policy_loss(
     seq_ids: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    tis_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO clipped policy-gradient loss (see the module docstring for the equations).
 
@@ -131,6 +135,7 @@ def policy_loss(
         seq_ids: [batch, seq] sequence index of each token for packed rows (seq-mean variants only).
         rollout_logprobs, tis_cap: the rollout engine's logprobs [batch, seq] and the cap C of the truncated
             importance weights (both, or neither).
+        tis_mask: [batch, seq] bool, the tokens the weights apply to (None = every valid token; the rest weigh 1).
 
     Returns:
         (loss, metrics): a 0-dim loss (float32, or float64 for float64 inputs) and a dict of 0-dim detached tensors:
@@ -170,13 +175,17 @@ def policy_loss(
     pg = torch.maximum(pg_unclipped, pg_clipped)
     if clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * clip_c), pg)
-    tis = None
+    tis, weighted = None, valid
     if (rollout_logprobs is None) != (tis_cap is None):
         raise ValueError("rollout_logprobs and tis_cap go together (truncated importance sampling)")
     if rollout_logprobs is not None:
         if rollout_logprobs.shape != shape:
             raise ValueError(f"rollout_logprobs has shape {tuple(rollout_logprobs.shape)}; expected {tuple(shape)}")
-        tis = truncated_is_weights(old_logprobs, rollout_logprobs, valid, dtype)
+        if tis_mask is not None:
+            if tis_mask.shape != shape:
+                raise ValueError(f"tis_mask has shape {tuple(tis_mask.shape)}; expected {tuple(shape)}")
+            weighted = valid & (tis_mask if tis_mask.dtype == torch.bool else tis_mask != 0)
+        tis = truncated_is_weights(old_logprobs, rollout_logprobs, weighted, dtype)
         pg = pg * tis.clamp(max=tis_cap)
     pg = torch.where(valid, pg, 0.0)
 
@@ -207,14 +216,14 @@ def policy_loss(
     loss = total / denom
 
     with torch.no_grad():
-        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis, tis_cap)
+        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis, tis_cap, weighted)
     return loss, metrics
 
 
 def truncated_is_weights(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """exp(logp_old − logp_rollout) per token, detached, 1 where not valid (uncapped; the caller caps at C).
+    """exp(logp_old − logp_rollout) per token, detached, 1 where not ``valid`` (uncapped; the caller caps at C).
 
     The log-ratio is clamped to ±``MAX_LOG_RATIO`` as verl does (its SAFETY_BOUND), so a token the rollout engine
     found near-impossible cannot overflow; the cap makes any such weight C anyway."""
@@ -222,7 +231,7 @@ def truncated_is_weights(
     return torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
-def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, tis_cap=None) -> dict:
+def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, tis_cap=None, weighted=None) -> dict:
     n = valid.sum(dtype=torch.int64)
     low = (valid & (adv < 0) & (ratio < 1.0 - eps_low)).sum(dtype=torch.int64)
     high = (valid & (adv > 0) & (ratio > 1.0 + eps_high)).sum(dtype=torch.int64)
@@ -247,11 +256,13 @@ def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, 
         "tis_sum": zero,
         "tis_capped_tokens": torch.zeros_like(n),
         "tis_max": zero,
+        "tis_tokens": torch.zeros_like(n),
     }
     if tis is not None:
-        sums["tis_sum"] = torch.where(valid, tis.clamp(max=tis_cap), 0.0).sum()
-        sums["tis_capped_tokens"] = (valid & (tis > tis_cap)).sum(dtype=torch.int64)
-        sums["tis_max"] = torch.where(valid, tis, 0.0).amax() if tis.numel() else zero
+        sums["tis_sum"] = torch.where(weighted, tis.clamp(max=tis_cap), 0.0).sum()
+        sums["tis_capped_tokens"] = (weighted & (tis > tis_cap)).sum(dtype=torch.int64)
+        sums["tis_max"] = torch.where(weighted, tis, 0.0).amax() if tis.numel() else zero
+        sums["tis_tokens"] = weighted.sum(dtype=torch.int64)
     return loss_metrics_from_sums(sums)
 
 
@@ -259,14 +270,16 @@ def loss_metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """The metrics dict (means + the summable entries) from the summable entries alone."""
     n = sums["num_tokens"]
     denom = torch.clamp(n, min=1).to(sums["ratio_sum"].dtype)
+    weighted = torch.clamp(sums["tis_tokens"], min=1).to(denom.dtype)
     out = {
         "clip_frac_low": sums["clip_low_tokens"] / denom,
         "clip_frac_high": sums["clip_high_tokens"] / denom,
         "clip_frac_dual": sums["clip_dual_tokens"] / denom,
         "ppo_kl": sums["ppo_kl_sum"] / denom,
         "ratio_mean": sums["ratio_sum"] / denom,
-        "tis_mean": sums["tis_sum"] / denom,
-        "tis_capped_frac": sums["tis_capped_tokens"] / denom,
+        "tis_mean": sums["tis_sum"] / weighted,  # over the weighted tokens
+        "tis_capped_frac": sums["tis_capped_tokens"] / weighted,
+        "tis_token_frac": sums["tis_tokens"] / denom,
     }
     out.update({k: sums[k] for k in LOSS_METRIC_REDUCTIONS})
     return {k: v.detach() for k, v in out.items()}

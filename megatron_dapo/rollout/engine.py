@@ -124,6 +124,18 @@ class Sample:
         return self.finish_reason == "length"
 
 
+@dataclass
+class GenRequest:
+    """One sample to generate with its own input, token budget and seed (partial rollout, ``rollout/schedule.py``):
+    a fresh sample's input is its prompt; a resumed one's is the prompt + the response it has so far, with the budget
+    it has left. Requests with the same ``route`` go to the same server (a group's samples: one prompt prefill)."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    seed: int | None = None
+    route: int = 0
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generation plus weight updates; implemented by ``HFEngine`` (CPU) and ``SGLangEngine`` (GPU)."""
@@ -137,6 +149,11 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
+
+    # partial rollout (rollout.partial) also needs, in both engines:
+    # generate_requests(requests: list[GenRequest], sampling) -> Iterator[Sample]: one sample per request as each
+    # finishes (prompt_index = the request's position); after abort() the rest come back, finish_reason 'abort',
+    # with the tokens they have so far
 
     def abort(self) -> None:
         """Stop everything in flight; unfinished samples end with finish_reason 'abort'."""

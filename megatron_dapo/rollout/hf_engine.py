@@ -25,6 +25,7 @@ import torch
 from megatron_dapo.config import ArchConfig
 from megatron_dapo.rollout.engine import (
     Bucket,
+    GenRequest,
     RolloutError,
     Sample,
     SamplingParams,
@@ -233,13 +234,42 @@ class HFEngine:
         )
         return out.logits[:, -1].float()
 
-    @torch.no_grad()
+    def generate_requests(self, requests: list[GenRequest], sampling: SamplingParams) -> Iterator[Sample]:
+        """One sample per request (its own input, budget and seed; ``sampling.max_new_tokens`` is not used), each as
+        soon as it finishes, ``prompt_index`` = the request's position. After ``abort()`` keep iterating: the rest
+        come back with finish_reason 'abort' and the tokens they have (none for requests not started)."""
+        self._check_prompts([r.input_ids for r in requests])
+        self._abort.clear()
+        for start in range(0, len(requests), self.max_batch):
+            chunk = list(enumerate(requests))[start : start + self.max_batch]
+            if self._abort.is_set():
+                for i, r in chunk:
+                    yield Sample(list(r.input_ids), [], [], "abort", prompt_index=i, weight_version=self._version)
+                continue
+            seeds = [r.seed if r.seed is not None else self._seed(None, 0, 0) for _, r in chunk]
+            budgets = [r.max_new_tokens for _, r in chunk]
+            for row, s in self._decode([r.input_ids for _, r in chunk], 1, seeds, sampling, budgets):
+                s.prompt_index = chunk[row][0]
+                yield s
+
     def _generate_rows(self, prompts: list[list[int]], n: int, seeds: list[int], sp: SamplingParams) -> list[Sample]:
-        """``n`` samples of each prompt (rows grouped by prompt). The prompts are prefilled once each and their KV
-        cache repeated for the ``n`` rows of the group, so a group pays for its prompt once, not n times."""
+        """``n`` samples of each prompt (rows grouped by prompt), in row order."""
+        done = dict(self._decode(prompts, n, seeds, sp))
+        return [done[i] for i in range(len(done))]
+
+    @torch.no_grad()
+    def _decode(
+        self, prompts: list[list[int]], n: int, seeds: list[int], sp: SamplingParams, budgets: list[int] | None = None
+    ) -> Iterator[tuple[int, Sample]]:
+        """(row, sample) of ``n`` samples of each prompt (rows grouped by prompt), each as its row finishes. The prompts
+        are prefilled once each and their KV cache repeated for the ``n`` rows of the group, so a group pays for its
+        prompt once, not n times. ``budgets``: each row's token budget (default ``sp.max_new_tokens``)."""
         from transformers import DynamicCache
 
         dev, B = self.device, len(prompts) * n
+        budget = torch.tensor(budgets if budgets is not None else [sp.max_new_tokens] * B, dtype=torch.long)
+        if budget.numel() != B or int(budget.min()) < 1:
+            raise RolloutError(f"token budgets {budget.tolist()}: one per row, each >= 1")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -259,25 +289,37 @@ class HFEngine:
         prompts = [p for p in prompts for _ in range(n)]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         stop = torch.tensor(sorted(set(self.tokenizer.eos_token_ids) | set(sp.stop_token_ids)), dtype=torch.long)
-        tokens = torch.zeros((B, sp.max_new_tokens), dtype=torch.long)
-        logps = torch.zeros((B, sp.max_new_tokens), dtype=torch.float64)
-        length = torch.full((B,), sp.max_new_tokens, dtype=torch.long)
-        finish = ["length"] * B
+        steps = int(budget.max())
+        tokens = torch.zeros((B, steps), dtype=torch.long)
+        logps = torch.zeros((B, steps), dtype=torch.float64)
+
+        def sample(i: int, length: int, finish: str) -> tuple[int, Sample]:
+            ids_i = tokens[i, :length].tolist()
+            return i, Sample(
+                prompt_ids=list(prompts[i]),
+                response_ids=ids_i,
+                logprobs=logps[i, :length].tolist() if sp.logprobs else [],
+                finish_reason=finish,  # type: ignore[arg-type]
+                text=self.tokenizer.text(ids_i),
+                weight_version=self._version,
+            )
+
         active = torch.arange(B)  # rows still generating (indices into the batch)
         next_pos = attn.sum(-1)
-        for step in range(sp.max_new_tokens):
+        for step in range(steps):
             tok, lp = sample_tokens(logits, sp, [gens[i] for i in active.tolist()])
             tok, lp = tok.cpu(), lp.cpu()
             tokens[active, step], logps[active, step] = tok, lp.double()
             stopped = torch.isin(tok, stop)
-            for i in active[stopped].tolist():
-                finish[i], length[i] = "stop", step + 1
-            keep = ~stopped
-            if step + 1 == sp.max_new_tokens or not keep.any():
+            spent = budget[active] == step + 1
+            for i, stp in zip(active[stopped | spent].tolist(), stopped[stopped | spent].tolist()):
+                yield sample(i, step + 1, "stop" if stp else "length")
+            keep = ~(stopped | spent)
+            if not keep.any():
                 break
             if self._abort.is_set():
                 for i in active[keep].tolist():
-                    finish[i], length[i] = "abort", step + 1
+                    yield sample(i, step + 1, "abort")
                 break
             if not keep.all():
                 sel = keep.nonzero().squeeze(1)
@@ -287,20 +329,6 @@ class HFEngine:
             attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
             logits = self._forward(tok[:, None].to(dev), attn, next_pos[:, None], cache, last_only=False)
             next_pos = next_pos + 1
-        samples = []
-        for i in range(B):
-            ids_i = tokens[i, : length[i]].tolist()
-            samples.append(
-                Sample(
-                    prompt_ids=list(prompts[i]),
-                    response_ids=ids_i,
-                    logprobs=logps[i, : length[i]].tolist() if sp.logprobs else [],
-                    finish_reason=finish[i],  # type: ignore[arg-type]
-                    text=self.tokenizer.text(ids_i),
-                    weight_version=self._version,
-                )
-            )
-        return samples
 
 
 def load_gguf_model(path: str | Path) -> torch.nn.Module:

@@ -24,7 +24,7 @@ def main(out: str, kill_step: int, kill_at: int, overrides: list[str]) -> None:
     state = {"step": 0, "requests": 0}
     lock = threading.Lock()
 
-    collect_groups = trainer.collect_groups
+    collect_groups = trainer.schedule.collect_groups
 
     def collect(step: int):
         state.update(step=step, requests=0)
@@ -60,7 +60,7 @@ def main(out: str, kill_step: int, kill_at: int, overrides: list[str]) -> None:
         record["resyncs"].append({"step": state["step"], "version": engine.weight_version, "pid": server.pid()})
         resync(servers)
 
-    trainer.collect_groups, engine._run, engine.generate_stream = collect, run, stream
+    trainer.schedule.collect_groups, engine._run, engine.generate_stream = collect, run, stream
     engine.resync = recorded_resync
     try:
         trainer.run()

@@ -1,0 +1,288 @@
+"""When samples are generated and on which weights: the one object the training loop asks for its batch.
+
+    schedule = make_schedule(cfg, engine, prompts, sampler, scorer)   # every rank; only rank 0 generates
+    seqs, (metrics, stats) = schedule.next_batch(step)   # rank 0: B groups judged complete, as training sequences
+    ...train...
+    schedule.weights_updated(version)                     # every rank, once the engines hold ``version``
+    extra = schedule.state_dict()                         # prompt cursor, sampler counters, carried samples
+
+``SyncSchedule`` (the default): generate, score and filter groups until B are kept (dynamic sampling, cut in prompt
+order), abort the surplus and drop it. ``PartialSchedule`` (``rollout.partial``): the same, but what is in flight at
+the cut is aborted and KEPT: every sample's tokens, rollout logprobs and the weight version of each token. The next
+step resumes them first (input = prompt + the response so far, budget = max_new_tokens − already generated, never a
+fresh one); a group is judged only once all G samples have finished, and carried groups come before new prompts, so
+selection is not biased toward short responses. A carried group whose oldest token is more than
+``rollout.partial_max_age`` versions behind is dropped, and counted. Tokens from older weights than the trainer's
+are tagged (``Group.token_lag``) for per-token TIS (``algo.tis: auto``).
+
+The trainer keeps no branch on the schedule: it calls these three methods whatever the mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
+from megatron_dapo.algo.sampling import PromptOrderCollector
+from megatron_dapo.batch import Group, group_from_samples, to_sequences
+from megatron_dapo.config import ConfigError
+from megatron_dapo.data.dataset import PromptItem
+from megatron_dapo.rollout.engine import GenRequest, SamplingParams, sample_seed
+
+
+def make_schedule(cfg, engine, prompts, sampler, scorer) -> SyncSchedule:
+    if cfg.rollout.partial and engine is not None and not hasattr(engine, "generate_requests"):
+        raise ConfigError(f"rollout.partial = true: the {type(engine).__name__} cannot resume samples")
+    return (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer)
+
+
+class SyncSchedule:
+    """Generate until B groups are kept, abort and drop the surplus (the step waits for its slowest kept sample)."""
+
+    def __init__(self, cfg, engine, prompts, sampler, scorer):
+        self.cfg, self.engine, self.prompts, self.sampler, self.scorer = cfg, engine, prompts, sampler, scorer
+        self.groups: list[Group] = []  # the last batch's groups (rank 0)
+        self.version = 0  # the weights the engines hold
+
+    def next_batch(self, step: int) -> tuple[list, tuple[dict, dict]]:
+        """Rank 0: this step's groups (kept in ``self.groups``) as training sequences, (reward metrics, sampling
+        stats)."""
+        self.groups, stats = self.collect_groups(step)
+        seqs, metrics = to_sequences(self.groups, self.cfg)
+        metrics.update(self.batch_metrics())
+        return seqs, (metrics, stats)
+
+    def batch_metrics(self) -> dict[str, float]:
+        return {}
+
+    def weights_updated(self, version: int) -> None:
+        self.version = int(version)
+
+    def state_dict(self) -> dict:
+        return {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.sampler.load_state_dict(state["sampler"])
+        if state.get("schedule"):
+            raise ConfigError(
+                "the checkpoint holds samples carried by partial rollout; resume it with rollout.partial=true"
+            )
+
+    def sampling(self, step: int, batch_index: int) -> SamplingParams:
+        seed = self.cfg.train.seed * 1_000_003 + step * 101 + batch_index
+        return SamplingParams.from_config(self.cfg.rollout.sampling, seed=seed)
+
+    def _new_step(self) -> None:
+        if hasattr(self.engine, "new_step"):  # the restart budget is per step
+            self.engine.new_step()
+
+    def _finish_stats(self, generated: list[bool]) -> dict:
+        stats = self.sampler.stats()
+        stats["kept_groups"] = stats.pop("kept")
+        stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
+        stats["samples_generated"] = len(generated)
+        if hasattr(self.engine, "step_restarts"):
+            stats["server_restarts"] = self.engine.step_restarts
+        return stats
+
+    def collect_groups(self, step: int) -> tuple[list[Group], dict]:
+        """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
+        cfg, sampler, engine = self.cfg, self.sampler, self.engine
+        self._new_step()
+        batch_index, generated = 0, []
+        while not sampler.full:
+            items = self.prompts.take(cfg.algo.gen_batch_prompts)
+            collector = PromptOrderCollector(len(items), sampler.missing, cfg.algo.dynamic_sampling)
+            stream = engine.generate_stream([it.prompt_ids for it in items], self.sampling(step, batch_index),
+                                            n=cfg.algo.group_size)  # fmt: skip
+            for samples in stream:
+                item = items[samples[0].prompt_index]
+                results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
+                group = group_from_samples(item.prompt_ids, samples, results, item.data_source)
+                generated += group.correct
+                if collector.add(samples[0].prompt_index, group, torch.tensor(group.correct)):
+                    engine.abort()  # the first informative groups in prompt order are in: drop the rest
+                    break
+            sampler.add(*collector.take())
+            batch_index += 1
+        return sampler.take(), self._finish_stats(generated)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Partial rollout
+
+
+@dataclass
+class Slot:
+    """One sample of a carried group: what it has generated so far, each token's weight version."""
+
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "abort"  # "abort" = unfinished
+    text: str = ""
+    resumed: int = 0  # times continued after an abort
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != "abort"
+
+
+@dataclass
+class Carried:
+    """A group in flight or finished but not yet judged: its prompt item and G slots."""
+
+    item: Any
+    slots: list[Slot]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finished for s in self.slots)
+
+    def oldest_version(self) -> int | None:
+        return min((v for s in self.slots for v in s.versions[:1]), default=None)
+
+
+class PartialSchedule(SyncSchedule):
+    """Abort the surplus but keep it; resume it first next step with the budget it has left."""
+
+    def __init__(self, cfg, engine, prompts, sampler, scorer):
+        super().__init__(cfg, engine, prompts, sampler, scorer)
+        self.carried: list[Carried] = []
+        self.totals = {"dropped_stale_groups": 0, "dropped_stale_samples": 0, "resumed_samples": 0}
+        self._step: dict[str, float] = {}
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def collect_groups(self, step: int) -> tuple[list[Group], dict]:
+        cfg, sampler = self.cfg, self.sampler
+        G, gen_batch = cfg.algo.group_size, cfg.algo.gen_batch_prompts
+        self._new_step()
+        self._step = {"resumed_samples": 0, **self._drop_stale()}
+        work, self.carried = self.carried, []
+        batch_index, generated, finished_samples = 0, [], 0
+        while not sampler.full:
+            # the carried groups first, topped up to gen_batch_prompts with new prompts; later rounds: new prompts
+            fresh = self.prompts.take(max(0, gen_batch - len(work)))
+            entries = work + [Carried(it, [Slot() for _ in range(G)]) for it in fresh]
+            work = []
+            judged, done, finished = self._round(entries, self.sampling(step, batch_index))
+            generated += judged
+            finished_samples += finished
+            groups, correct = done.take()  # the groups before the prompt-order cut
+            sampler.add(groups, correct if correct is not None else torch.zeros((0, G), dtype=torch.bool))
+            self.carried += entries[len(groups) :]  # after the cut, finished or not: judged next step, first
+            batch_index += 1
+        batch = sampler.take()
+        stats = self._finish_stats(generated)
+        stats["samples_generated"] = finished_samples  # every sample counted once, in the step it finishes
+        self._step.update(carried_groups=len(self.carried),
+                          carried_samples=sum(not s.finished for c in self.carried for s in c.slots))  # fmt: skip
+        self.totals["resumed_samples"] += self._step["resumed_samples"]
+        return batch, stats
+
+    def _round(self, entries: list[Carried], sampling: SamplingParams):
+        """One generation round over ``entries`` (prompt order): complete groups are judged first, then the
+        unfinished slots run until the prompt-order cut; the rest is aborted and drained back into its slots."""
+        cfg, engine = self.cfg, self.engine
+        max_new = cfg.rollout.sampling.max_new_tokens
+        collector = PromptOrderCollector(len(entries), self.sampler.missing, cfg.algo.dynamic_sampling)
+        judged: list[bool] = []
+
+        def judge(gi: int) -> bool:
+            group = self._group(entries[gi])
+            judged.extend(group.correct)
+            return collector.add(gi, group, torch.tensor(group.correct))
+
+        cut = any(judge(gi) for gi, c in enumerate(entries) if c.complete)
+        requests, owners = [], []
+        for gi, c in enumerate(entries):
+            for j, slot in enumerate(c.slots):
+                if slot.finished:
+                    continue
+                budget = remaining_budget(max_new, len(slot.response_ids))
+                requests.append(GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget,
+                                           sample_seed(sampling.seed, gi, j), route=gi))  # fmt: skip
+                owners.append((gi, j))
+                self._step["resumed_samples"] += bool(slot.response_ids)
+        finished = 0
+        if requests and not cut:
+            for s in engine.generate_requests(requests, sampling):
+                gi, j = owners[s.prompt_index]
+                slot = entries[gi].slots[j]
+                self._extend(slot, s, max_new)
+                finished += slot.finished
+                if not cut and entries[gi].complete and judge(gi):
+                    cut = True
+                    engine.abort()  # the first informative groups in prompt order are in: keep the rest for later
+        return judged, collector, finished
+
+    def _extend(self, slot: Slot, s, max_new: int) -> None:
+        if slot.response_ids and s.response_ids:
+            slot.resumed += 1
+        slot.response_ids += list(s.response_ids)
+        slot.logprobs += list(s.logprobs)
+        slot.versions += [self.version] * len(s.response_ids)
+        slot.finish_reason = s.finish_reason
+        if slot.finish_reason == "abort" and len(slot.response_ids) >= max_new:
+            slot.finish_reason = "length"  # aborted on its last token: it has its whole budget
+        check_total_length(len(slot.response_ids), max_new)
+        info = getattr(self.engine, "tokenizer", None)
+        decode = getattr(info, "decode", None)
+        slot.text = info.text(slot.response_ids) if decode is not None else slot.text + s.text
+
+    def _group(self, c: Carried) -> Group:
+        """A complete carried group, scored, its tokens tagged off-policy where older than the engines' weights."""
+        results = self.scorer.score_batch([s.text for s in c.slots], [c.item] * len(c.slots))
+        return Group(
+            prompt_ids=list(c.item.prompt_ids),
+            responses=[list(s.response_ids) for s in c.slots],
+            rollout_logprobs=[list(s.logprobs) for s in c.slots],
+            finish_reasons=[s.finish_reason for s in c.slots],
+            scores=[float(r["score"]) for r in results],
+            correct=[bool(r["acc"]) for r in results],
+            data_source=c.item.data_source,
+            texts=[s.text for s in c.slots],
+            token_lag=[[self.version - v for v in s.versions] for s in c.slots],
+        )
+
+    def _drop_stale(self) -> dict[str, int]:
+        """Carried groups whose oldest token is more than ``rollout.partial_max_age`` versions old: dropped."""
+        limit, kept, groups, samples = self.cfg.rollout.partial_max_age, [], 0, 0
+        for c in self.carried:
+            oldest = c.oldest_version()
+            if oldest is not None and self.version - oldest > limit:
+                groups, samples = groups + 1, samples + len(c.slots)
+            else:
+                kept.append(c)
+        self.carried = kept
+        self.totals["dropped_stale_groups"] += groups
+        self.totals["dropped_stale_samples"] += samples
+        return {"dropped_stale_groups": groups, "dropped_stale_samples": samples}
+
+    def batch_metrics(self) -> dict[str, float]:
+        """rollout/: version lag of the batch's tokens, the fraction carried from earlier steps, carried/dropped."""
+        lags = [row for g in self.groups for row in g.token_lag]
+        out = {f"rollout/{k}": float(v) for k, v in version_lag_stats(lags).items()}
+        out.update({f"rollout/{k}": float(v) for k, v in self._step.items()})
+        out.update({f"rollout/{k}_total": float(v) for k, v in self.totals.items()})
+        return out
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        carried = [{"item": dataclasses.asdict(c.item), "slots": [dataclasses.asdict(s) for s in c.slots]}
+                   for c in self.carried]  # fmt: skip
+        return {**super().state_dict(), "schedule": {"kind": "partial", "version": self.version, "carried": carried,
+                                                     "totals": dict(self.totals)}}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        own = state.get("schedule") or {"carried": [], "totals": self.totals}
+        super().load_state_dict({k: v for k, v in state.items() if k != "schedule"})
+        self.carried = []
+        for c in own["carried"]:
+            self.carried.append(Carried(PromptItem(**c["item"]), [Slot(**s) for s in c["slots"]]))
+        self.totals.update(own.get("totals", {}))
