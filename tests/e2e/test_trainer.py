@@ -133,7 +133,12 @@ def hf_gap(hf_dir: Path, ref: dict, plant: str | None = None) -> float:
 
 
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
-    args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=3", f"train.run_dir={tmp_path}"]
+    """SIGKILL after the step-2 checkpoint, then ``--resume auto``: the new process says it resumed from step 2, its
+    first step is 3, the metrics lines the killed process wrote for steps 1-2 stay as they were (a rerun from step 0
+    would rewrite them: their timings differ) and the resumed process adds exactly step 3, equal to an uninterrupted
+    run's. Pruning keeps the newest ``train.keep_checkpoints`` by step number, not by time (step 1 is touched last)."""
+    args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=3", "train.keep_checkpoints=2",
+            f"train.run_dir={tmp_path}"]  # fmt: skip
     reference = dapo_started(tmp_path / "straight.log", *args, "train.name=straight")
 
     run = tmp_path / "killed"
@@ -148,8 +153,20 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists(), "the run never wrote its step-2 checkpoint"
-    dapo(*args, "train.name=killed", "--resume", "auto")
+    before = [line for line in (run / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+    assert [json.loads(line)["step"] for line in before] == [1, 2]
+    newest = time.time() + 5
+    os.utime(run / "checkpoints" / "step_000001", (newest, newest))  # the oldest step, the newest mtime
+    out = dapo(*args, "train.name=killed", "--resume", "auto").stdout
     dapo_finished(reference)
+
+    assert f"resuming from {run / 'checkpoints' / 'step_000002'} (step 2)" in out, out[-2000:]
+    printed = [json.loads(line)["step"] for line in out.splitlines() if line.startswith('{"step"')]
+    assert printed == [3], f"the resumed process ran steps {printed}"
+    after = (run / "metrics.jsonl").read_text().splitlines()
+    assert after[: len(before)] == before, "the resumed run rewrote the killed run's metrics"
+    assert [json.loads(line)["step"] for line in after[len(before) :]] == [3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     straight = metrics(tmp_path / "straight")
     resumed = {r["step"]: r for r in metrics(run)}
     assert sorted(resumed) == [1, 2, 3]
