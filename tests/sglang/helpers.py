@@ -56,10 +56,13 @@ def save_model(directory: Path, arch: ArchConfig, weights: dict[str, torch.Tenso
 
 def cpu_server(model_dir: Path, log_path: Path, *extra: str, **kwargs) -> SGLangServer:
     """A real SGLang server on CPU cores, as demo_cpu_sglang starts it (the project's char tokenizer is no HF
-    tokenizer: token ids in, token ids out)."""
+    tokenizer: token ids in, token ids out). mem_fraction 0.25: on CPU SGLang counts the drop of the machine's free
+    memory while it loads as its weights' size (srt/mem_cache/kv_cache_configurator.py), so at 0.05 other jobs
+    allocating ~1 GiB meanwhile made it refuse to start ("Loaded weights leave no GPU memory for the KV cache"); the
+    KV pool itself stays capped by --max-total-tokens."""
     kwargs.setdefault("env", {"OMP_NUM_THREADS": "1"})
     return SGLangServer(
-        model_dir, device="cpu", pythonpath=[SUPPORT], mem_fraction=0.05, dtype="bf16", log_path=log_path,
+        model_dir, device="cpu", pythonpath=[SUPPORT], mem_fraction=0.25, dtype="bf16", log_path=log_path,
         extra_args=["--skip-tokenizer-init", "--max-total-tokens", "8192", "--random-seed", "0", *extra], **kwargs,
     )  # fmt: skip
 
