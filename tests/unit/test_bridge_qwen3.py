@@ -156,3 +156,22 @@ def test_qk_layernorm_is_fixed_by_the_family(tmp_path):
         arch_from_hf({**QWEN3_32B_HF, "use_sliding_window": True})
     with pytest.raises(ConfigError, match="qk_layernorm mismatch"):
         compare_arch(QWEN3_TINY, ArchConfig(**{**QWEN3_TINY.__dict__, "qk_layernorm": False}), "x")
+
+
+def test_sglang_layout_of_a_qwen3_at_tp2():
+    """What the weights checker expects from a TP2 SGLang server (the real one: tests/sglang/test_qwen3.py at TP1):
+    q/k norms replicated, q/k/v fused per rank, no bias entries."""
+    from megatron_dapo.rollout.sglang_layout import ServerChecksums, server_tensor_hash
+
+    arch = QWEN3_TINY
+    hf = make_hf_model(arch).state_dict()
+    expect = ServerChecksums(torch.float32, "cpu", tp_size=2, head_dim=arch.head_dim)
+    for name, t in hf.items():
+        expect.add(name, t)
+    got = expect.result()
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    assert got[(q_norm, 0)] == got[(q_norm, 1)] == server_tensor_hash(hf[q_norm])
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert got[(qkv, 1)] == server_tensor_hash(torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]]))
+    assert not [n for n, _ in got if n.endswith("bias")] and len(got) == 2 * (2 + 8 * arch.num_layers + 1)
