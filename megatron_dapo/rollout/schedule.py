@@ -208,9 +208,10 @@ class PartialSchedule(SyncSchedule):
                 requests.append(GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget,
                                            sample_seed(sampling.seed, gi, j), route=gi))  # fmt: skip
                 owners.append((gi, j))
-                self._step["resumed_samples"] += bool(slot.response_ids)
         finished = 0
-        if requests and not cut:
+        if requests and not cut:  # else the carried complete groups filled the batch: the rest waits a step
+            self._step["resumed_samples"] += sum(len(r.input_ids) > len(entries[gi].item.prompt_ids)
+                                                 for r, (gi, _) in zip(requests, owners))  # fmt: skip
             for s in engine.generate_requests(requests, sampling):
                 gi, j = owners[s.prompt_index]
                 slot = entries[gi].slots[j]

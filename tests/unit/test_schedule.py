@@ -138,7 +138,9 @@ def test_a_group_spanning_versions_is_tagged_per_token_and_weighted_by_tis():
     assert 0 < metrics["rollout/partial_token_frac"] < 1
     # algo.tis = on weighs every token (no mask); off: none
     assert all(x.tis_mask is None for x in to_sequences([g], cfg("algo.tis='on'"))[0])
-    assert not cfg("algo.tis='off'").tis_possible and cfg().tis_possible and not cfg("rollout.partial=false").tis_possible
+    assert (
+        not cfg("algo.tis='off'").tis_possible and cfg().tis_possible and not cfg("rollout.partial=false").tis_possible
+    )
 
 
 def test_groups_older_than_the_bound_are_dropped_and_counted():
