@@ -121,10 +121,38 @@ def activation_bytes_per_token(
 # ----------------------------------------------------------------------------------------------------------------------
 # The actor's peak on one rank (what sizes the default micro-batch budget)
 
-# Measured / formula for the activations of megatron-core's local spec on CPU autograd (fp32): RMSNorm, RoPE and the
-# SwiGLU keep more intermediates than the 16-bit GPU accounting of ``activation_bytes_per_token`` (bench_memory.py
-# measures it: SmolLM2-135M, padded micro-batches). TE's fused kernels keep what the formula counts.
-LOCAL_SPEC_ACTIVATION_FACTOR = 1.6
+
+def local_activation_bytes_per_token(
+    arch: ArchConfig, attn_seq_len: int, dtype_bytes: int = 4, heap_factor: float = 1.0
+) -> float:
+    """Bytes one layer of megatron-core's LOCAL spec (CPU, padded [B, L] micro-batches) keeps for the backward pass
+    per token, counted from autograd's saved tensors (megatron-core 0.16.1, torch 2.13; ``tests/unit/
+    test_memory_measured.py`` counts them again), with q = heads·head_dim, kv = kv_heads·head_dim, f = ffn size:
+      norms:      2 × (input, x·rsqrt(mean x²), output) = 6h; a 16-bit model's norms also keep an fp32 copy (2 × 4h B)
+      attention:  q after RoPE, the context copy, and K, V repeated to q heads (GQA: repeat_interleave) = 4q;
+                  without GQA, K after RoPE and the fused QKV output instead: 3q + 3kv
+      scores:     the softmax output, heads · s per token (fp32; a 16-bit model adds its 16-bit copy)
+      MLP:        fc1 output 2f, SiLU output, the gated product and fc2's input: 5f
+    s = ``attn_seq_len`` (the longest row of the micro-batch). ``heap_factor`` scales all but the scores (the
+    allocator's share, see ``LOCAL_HEAP_FACTOR``). Unlike ``activation_bytes_per_token`` (TE's fused
+    kernels), nothing here is fused, and every tensor is in the model's dtype."""
+    d = dtype_bytes
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    gqa = arch.num_attention_heads > arch.num_query_groups
+    norms = 6 * h * d + (8 * h if d < 4 else 0)
+    attention = (4 * q if gqa else 3 * q + 3 * kv) * d
+    scores = arch.num_attention_heads * attn_seq_len * (4 + (d if d < 4 else 0))
+    return (norms + attention + 5 * f * d) * heap_factor + scores
+
+
+# What the peak RSS holds beyond the saved tensors on CPU, measured (tests/unit/test_memory_measured.py): glibc's
+# heap keeps the pages of freed tensors smaller than its mmap threshold (which rises to 32 MiB as tensors are freed),
+# so the resident size of the activations is this factor × what autograd keeps; and the backward of the last layer
+# holds about three more copies of its attention scores (the gradients of the probabilities and of the scores).
+LOCAL_HEAP_FACTOR = 1.5
+LOCAL_BACKWARD_SCORE_COPIES = 3
 BASE_BYTES = 0.6 * GiB  # torch, megatron-core and transformers imported, the process's own allocations
 
 
@@ -174,16 +202,27 @@ def actor_memory(
     16-bit model's fp32 master copy, ÷ DP with the distributed optimizer), the activations of ``pp`` micro-batches in
     flight on stage 0, one logits chunk, and an in-process engine's copy of the whole model.
 
-    Padded micro-batches (local spec) attend densely over their longest sequence, at most ``max_seq_len``; THD rows
-    (TE) use flash attention, which keeps no scores."""
+    Padded micro-batches (local spec, ``local_activation_bytes_per_token``) attend densely over their longest row,
+    at most ``max_seq_len`` (with shared prompts a row holds a prompt and its group's responses: pass that bound);
+    THD rows (TE, ``activation_bytes_per_token``) use flash attention, which keeps no scores. Measured against the
+    peak RSS of real train steps on CPU in ``tests/unit/test_memory_measured.py``."""
     params = count_params(arch, tp, pp, 0)
     optimizer = params * (8 if dtype_bytes == 4 else 12) / (dp if distributed_optimizer else 1)
     flash = layout == "thd"
-    per_token = activation_bytes_per_token(arch, recompute, flash=flash, attn_seq_len=max_seq_len)
-    per_token *= dtype_bytes / 2 * (1.0 if flash else LOCAL_SPEC_ACTIVATION_FACTOR)
     layers = arch.num_layers // pp
-    # 1F1B keeps up to PP micro-batches in flight on stage 0; TE runs sequence parallel (÷ TP), the local spec not
-    activations = per_token * layers * micro_batch_tokens * pp / (tp if flash else 1)
+    if flash:
+        per_token = activation_bytes_per_token(arch, recompute, flash=True) * dtype_bytes / 2
+        # 1F1B keeps up to PP micro-batches in flight on stage 0; TE runs sequence parallel (÷ TP)
+        activations = per_token * layers * micro_batch_tokens * pp / tp
+    else:
+        # the local spec counted as it runs; recompute scales it as it scales the 16-bit accounting
+        per_token = local_activation_bytes_per_token(arch, max_seq_len, dtype_bytes, LOCAL_HEAP_FACTOR)
+        if recompute != "none":
+            per_token *= activation_bytes_per_token(arch, recompute, flash=False, attn_seq_len=max_seq_len) / (
+                activation_bytes_per_token(arch, "none", flash=False, attn_seq_len=max_seq_len)
+            )
+        backward = LOCAL_BACKWARD_SCORE_COPIES * arch.num_attention_heads * max_seq_len * dtype_bytes
+        activations = (per_token * layers * pp + backward) * micro_batch_tokens
     chunk = min(logprob_chunk_tokens, micro_batch_tokens)
     logits = chunk * padded_vocab_size(arch.vocab_size, tp) / tp * 16  # fp32 logits, log-softmax, grad, recompute
     return ActorMemory(

@@ -77,19 +77,23 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
         recompute=cfg.model.recompute or "none", distributed_optimizer=bool(p.distributed_optimizer),
         logprob_chunk_tokens=p.logprob_chunk_tokens, engine_bytes_per_param=4 if in_process_engine else 0,
     )  # fmt: skip
-    fit = fit_micro_batch_tokens(arch, cfg.max_seq_len, available, **kw)
+    # the longest row the dense attention spans: a sequence, or a group's responses behind their shared prompt
+    row = cfg.max_seq_len
+    if layout == "padded" and p.share_prompts:
+        row = cfg.data.max_prompt_len + cfg.algo.group_size * cfg.rollout.sampling.max_new_tokens
+    fit = fit_micro_batch_tokens(arch, row, available, **kw)
     tokens = p.max_tokens_per_micro_batch
     if tokens is None:
         tokens = min(fit, p.max_auto_micro_batch_tokens) // 64 * 64
         if tokens < cfg.max_seq_len:
-            need = actor_memory(arch, cfg.max_seq_len, cfg.max_seq_len, **kw)
+            need = actor_memory(arch, cfg.max_seq_len, row, **kw)
             raise ConfigError(
                 f"parallel.max_tokens_per_micro_batch: not even one sequence of {cfg.max_seq_len} tokens fits: "
                 f"predicted peak {need.total / GiB:.1f} GiB ({need.explain()}) > {available / GiB:.1f} GiB {where}"
             )
         how = "chosen"
     else:
-        peak = actor_memory(arch, tokens, cfg.max_seq_len, **kw)
+        peak = actor_memory(arch, tokens, row, **kw)
         if peak.total > available:
             raise ConfigError(
                 f"parallel.max_tokens_per_micro_batch = {tokens}: predicted peak {peak.total / GiB:.1f} GiB "
@@ -97,7 +101,7 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
                 "(or unset it to choose automatically)"
             )
         how = "set"
-    peak = actor_memory(arch, tokens, cfg.max_seq_len, **kw)
+    peak = actor_memory(arch, tokens, row, **kw)
     return tokens, (
         f"actor: micro-batch budget {tokens} tokens ({how}; predicted peak {peak.total / GiB:.1f} GiB of "
         f"{available / GiB:.1f} GiB {where})"
