@@ -57,14 +57,20 @@ def main(out: str, peer_fails: bool) -> None:
     route = LocalRoute(url, poster=rank in (0, 2), node="n1")
     record: dict = {"rank": rank, "made": [], "posted": [], "read": [], "peer": None}
 
-    class Recording(TensorSync):
-        def serialize(self, bucket):
-            if peer_fails and rank == 1 and len(record["made"]) == 1:
-                raise RuntimeError("no memory for bucket 1")
-            payload, blob, key = super().serialize(bucket)
-            record["made"].append(sha(blob))
-            return payload, blob, key
+    from sglang.srt.utils import MultiprocessingSerializer
 
+    serialize = MultiprocessingSerializer.serialize
+
+    def recorded(obj, output_str=False):  # every serialization this rank makes, whoever makes it
+        if peer_fails and rank == 1 and len(record["made"]) == 1:
+            raise RuntimeError("no memory for bucket 1")
+        blob = serialize(obj, output_str=output_str)
+        record["made"].append(sha(blob))
+        return blob
+
+    MultiprocessingSerializer.serialize = staticmethod(recorded)
+
+    class Recording(TensorSync):
         def _post(self, servers, path, body, timeout=None):
             if path == "/update_weights_from_tensor":
                 (req,) = body
@@ -79,8 +85,7 @@ def main(out: str, peer_fails: bool) -> None:
 
     try:
         sync = NodeLocalSync(route, make)
-        record["peer"] = sync.peer is not None
-        record["sends"] = sync.sends
+        record["peer"] = getattr(sync, "peer", None) is not None
         record["metrics"] = sync.sync(export(rank), version=1)
     except WeightSyncError as e:
         record["error"] = str(e)

@@ -26,9 +26,10 @@ def test_each_tp_rank_gets_the_serialization_of_the_rank_on_its_gpu(tmp_path):
     run_torchrun(3, WORKER, tmp_path)
     a0, a1, b = _records(tmp_path)
     assert all("error" not in r for r in (a0, a1, b)), (a0, a1, b)
-    assert a1["peer"] and a1["sends"] and not b["peer"]  # rank 1 serializes for engine A's TP rank 1
-    assert len(a0["made"]) == len(a1["made"]) == 3  # one serialization per bucket on each GPU, none extra
-    assert a0["posted"] == [[mine, peer] for mine, peer in zip(a0["made"], a1["made"])]  # TP rank i <- GPU i's rank
+    # TP rank i of engine A <- the serialization made by the rank on GPU i (before the fix: both by rank 0)
+    assert [p[1] in a1["made"] for p in a0["posted"]] == [True] * 3, (a0["posted"], a1["made"])
+    assert a0["posted"] == [[mine, peer] for mine, peer in zip(a0["made"], a1["made"])]
+    assert len(a0["made"]) == len(a1["made"]) == 3 and a1["peer"] and not b["peer"]  # one per bucket per GPU
     assert a1["posted"] == []  # the peer never posts
     assert [len(p) for p in b["posted"]] == [1, 1, 1] and b["posted"] == [[m] for m in b["made"]]  # TP 1: its own
     # what SGLang's TP ranks read (rank 1's shared memory, opened in the poster's process) is the bucket itself
