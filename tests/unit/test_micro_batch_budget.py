@@ -33,7 +33,9 @@ def _cfg(*overrides):
 
 def _peak(cfg, tokens):
     kw = dict(KW, logprob_chunk_tokens=cfg.parallel.logprob_chunk_tokens)
-    return actor_memory(load_arch(cfg.model.arch), tokens, cfg.max_seq_len, **kw).total
+    # shared prompts (the default): the longest row holds a prompt and its group's responses
+    row = cfg.data.max_prompt_len + cfg.algo.group_size * cfg.rollout.sampling.max_new_tokens
+    return actor_memory(load_arch(cfg.model.arch), tokens, row, **kw).total
 
 
 @pytest.mark.parametrize("gib,ranks", [(8.0, 1), (16.0, 1), (16.0, 2)])
