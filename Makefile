@@ -61,7 +61,9 @@ test-fast: setup
 # The actor's CPU tests on the newest megatron-core in range (0.19.2, requirements/mcore-latest.txt): it needs
 # Python >= 3.12 and PyPI's CUDA torch (it runs on a CPU), so its own venv: ~6 GB, ~10 min to create (a download
 # each time: pip kept nothing in its cache here). Not part of `make test` (README "GPU" says why).
-PY312   ?= $(firstword $(shell command -v python3.12) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python))
+# the first Python 3.12 that runs (a pyenv shim on PATH may only print "command not found")
+PY312   ?= $(shell for p in $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 VENV_MCORE ?= .venv-mcore19
 MCORE_LATEST_TESTS ?= tests/unit/test_thd_cp.py tests/unit/test_cpu_shims.py tests/unit/test_actor_nonfinite.py \
 	tests/unit/test_logprobs.py tests/unit/test_provider_spec.py tests/dist/test_actor_dist.py
