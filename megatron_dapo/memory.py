@@ -104,14 +104,15 @@ def activation_bytes_per_token(
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
     mask = h if dropout else 0
+    qk_norm = 2 * (q + kv) if arch.qk_layernorm else 0  # Qwen3: the q/k RMSNorm inputs (TENorm keeps x and 1/rms)
     if recompute == "full":
         return 2 * h
     if recompute == "selective":
-        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask
+        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm
     if recompute != "none":
         raise ValueError(f"recompute = {recompute!r}: must be one of {', '.join(RECOMPUTE)}")
     norms = 4 * h
-    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask
+    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm
     if not flash:
         attention += 5 * arch.num_attention_heads * attn_seq_len
     mlp = 2 * h + 2 * f * (2 if gated else 1) + 2 * f + mask
@@ -133,6 +134,7 @@ def local_activation_bytes_per_token(
                   without GQA, K after RoPE and the fused QKV output instead: 3q + 3kv
       scores:     the softmax output, heads · s per token (fp32; a 16-bit model adds its 16-bit copy)
       MLP:        fc1 output 2f, SiLU output, the gated product and fc2's input: 5f
+      q/k norms:  (Qwen3) their input and output in the model's dtype and an fp32 normalized copy: (2d + 4)(q + kv)
     s = ``attn_seq_len`` (the longest row of the micro-batch). ``heap_factor`` scales all but the scores (the
     allocator's share, see ``LOCAL_HEAP_FACTOR``). Unlike ``activation_bytes_per_token`` (TE's fused
     kernels), nothing here is fused, and every tensor is in the model's dtype."""
@@ -143,6 +145,8 @@ def local_activation_bytes_per_token(
     gqa = arch.num_attention_heads > arch.num_query_groups
     norms = 6 * h * d + (8 * h if d < 4 else 0)
     attention = (4 * q if gqa else 3 * q + 3 * kv) * d
+    if arch.qk_layernorm:
+        attention += (2 * d + 4) * (q + kv)
     scores = arch.num_attention_heads * attn_seq_len * (4 + (d if d < 4 else 0))
     return (norms + attention + 5 * f * d) * heap_factor + scores
 

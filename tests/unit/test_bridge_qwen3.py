@@ -175,3 +175,16 @@ def test_sglang_layout_of_a_qwen3_at_tp2():
     q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert got[(qkv, 1)] == server_tensor_hash(torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]]))
     assert not [n for n, _ in got if n.endswith("bias")] and len(got) == 2 * (2 + 8 * arch.num_layers + 1)
+
+
+def test_local_activations_of_a_qwen3_are_what_autograd_saves():
+    """The memory model's q/k-norm term (memory.local_activation_bytes_per_token) against autograd's saved tensors of a
+    Qwen3 layer (head_dim 96 != 256 / 4, bf16), as tests/unit/test_memory_measured.py measures the others."""
+    from test_memory_measured import PROBE, _worker
+
+    from megatron_dapo.memory import local_activation_bytes_per_token
+
+    arch = {**PROBE, "family": "qwen3", "qk_layernorm": True, "kv_channels": 96}
+    saved = _worker({"arch": arch, "rows": 8, "len": 128, "prompt": 16, "dtype": "bf16", "saved": True})
+    counted = local_activation_bytes_per_token(ArchConfig(**arch), 128, 2)
+    assert counted == pytest.approx(saved["saved_bytes_per_layer_token"], rel=0.02)
