@@ -165,8 +165,9 @@ class RolloutDriver:
         from megatron_dapo.bridge.export import export_hf_tensors
 
         if self.node_sync is not None:
-            # a rank that posts nothing holds one tensor at a time (its GPU is shared with the resumed engine)
-            size = self.cfg.rollout.bucket_mb << 20 if self.node_sync.local is not None else 1
+            # a rank that neither posts nor serializes its GPU's copy for the poster (node_sync.GpuGather) holds one
+            # tensor at a time (its GPU is shared with the resumed engine); senders take the poster's buckets
+            size = self.cfg.rollout.bucket_mb << 20 if self.node_sync.sends else 1
             buckets = export_hf_tensors(actor.model, self.arch, size, dst="all")
             metrics = self.node_sync.sync(buckets, version)
             if is_driver():
