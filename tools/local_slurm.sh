@@ -154,9 +154,15 @@ AccountingStoragePort=$((PORT_BASE + 2))
 AccountingStoragePass=$STATE/munge/munge.socket.2
 JobCompType=jobcomp/none"
     fi
+    # A random first job id per cluster: `dapo launch` takes its ports from the job id (megatron_dapo/ports.py, block
+    # id mod 55), so two local clusters on one machine that both counted from 1 gave their concurrent jobs the same
+    # ports. Random starts make that 1 in 55 per pair of jobs that run at the same time (the tests use free ports
+    # where they pin any).
+    local first_job_id=$(((RANDOM << 15 | RANDOM) % 5000000 + 1000))
     cat >"$STATE/slurm.conf" <<EOF
 # Written by tools/local_slurm.sh for state dir $STATE: two emulated nodes on this machine, 8 fake GPUs each.
 ClusterName=$CLUSTER
+FirstJobId=$first_job_id
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$PORT_BASE
 AuthType=auth/munge

@@ -4,7 +4,9 @@
 start-up on a 2-core CI machine) and 2 x 2 trainer ranks (TP 2 inside each node, DP 2 across the nodes). Observed at
 the servers' own logs over 3 DAPO steps: per step generate -> release -> resume -> sync, and each engine is updated
 by the posting rank of its own node only (rank 0 on n1, rank 2 on n2), both exporting the whole model through their
-TP group. (That rank 0 waits out a rollout longer than the default group's collective timeout on the control plane is
+TP group: read from each server's access log, where every weight-sync request names its sender
+(``?poster=rank<RANK>.<node>``, from the posting process's own RANK and SLURMD_NODENAME), not from the trainer's
+report of its routes. (That rank 0 waits out a rollout longer than the default group's collective timeout on the control plane is
 shown by tests/dist/test_control_plane.py.)
 """
 
@@ -15,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -44,7 +47,7 @@ def _hf_init(out: Path) -> None:
 
 def _events(log: str) -> list[str]:
     events = []
-    for m in re.finditer(r'"POST (/\w+) HTTP/1.1" (\d+)', log):
+    for m in re.finditer(r'"POST (/\w+)(?:\?\S*)? HTTP/1.1" (\d+)', log):
         if m.group(1) in EVENTS:
             assert m.group(2) == "200", m.group(0)
             if not events or events[-1] != EVENTS[m.group(1)]:
@@ -81,17 +84,57 @@ def test_colocated_job_two_nodes_real_engines_per_node_sync(local_slurm, tmp_pat
         assert seen == {url: e["node"] for url, e in servers.items()}, routes
         assert sorted(map(int, re.findall(r"<- rank (\d+)", routes))) == [0, 2]
 
-    # at each real server: its own log, in order
-    for url in servers:
+    # at each real server: its own log, in order; every update from its own node's poster (the first of its senders)
+    for url, e in servers.items():
         text = Path(plan_log(plan, url)).read_text()
+        check_senders(text, e["node"], e["senders"][0], syncs=4)
         events = _events(text)
         first = events.index("sync")
-        # the initial sync, per step generate -> release -> (train) -> resume -> sync, the final eval generates
-        assert events[first:] == ["sync"] + ["generate", "release", "resume", "sync"] * 3 + ["generate"], events
-        assert set(events[:first]) <= {"generate"}, events  # the server's own warm-up
+        # the phases of 0e6b9f7 (issue 22): the engine starts released; the initial sync, then its KV cache resumed
+        # for the rollout; per step generate -> release -> (train) -> resume (weights) -> sync -> resume (KV cache);
+        # the final eval generates
+        step = ["generate", "release", "resume", "sync", "resume"]
+        assert events[first:] == ["sync", "resume"] + step * 3 + ["generate"], events
+        assert set(events[:first]) <= {"generate", "release"}, events  # the server's own warm-up, the first release
         assert text.count("POST /begin_weight_update") == text.count("POST /end_weight_update") == 4
+
+
+def posters(log: str) -> dict[str, list[str]]:
+    """Weight-sync endpoint -> the senders the server's access log names (``?poster=``), in order."""
+    out: dict[str, list[str]] = {}
+    for path, query in re.findall(r'"POST (/\w+)\?(\S*) HTTP/1.1" 200', log):
+        tags = [unquote(v) for k, v in (kv.split("=", 1) for kv in query.split("&") if "=" in kv) if k == "poster"]
+        out.setdefault(path, []).extend(tags)
+    return out
+
+
+def check_senders(log: str, node: str, rank: int, syncs: int) -> None:
+    """Every weight update this server took came from ``rank`` on ``node`` (its own node's poster), ``syncs`` times."""
+    got = posters(log)
+    assert got.get("/update_weights_from_tensor"), f"no weight update reached the server on {node}"
+    for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"):
+        assert set(got.get(path, [])) == {f"rank{rank}.{node}"}, (node, path, got)
+    assert len(got["/begin_weight_update"]) == len(got["/end_weight_update"]) == syncs, got
 
 
 def plan_log(plan: dict, url: str) -> str:
     (log,) = [s["log"] for s in plan["servers"] if s["url"] == url]
     return log
+
+
+def test_sender_check_fails_for_a_poster_on_another_node():
+    """The check above, on access-log lines as SGLang 0.5.23's uvicorn writes them: the right poster passes; rank 2
+    of n2 posting to n1's engine, or an update that names no sender, fails."""
+
+    def log(tag: str | None) -> str:
+        q = f"?poster={tag}" if tag else ""
+        return "\n".join(f'[t] INFO:     127.0.0.1:4{i}012 - "POST {p}{q} HTTP/1.1" 200 OK'
+                         for i, p in enumerate(["/begin_weight_update", "/update_weights_from_tensor",
+                                                "/end_weight_update"]))  # fmt: skip
+
+    check_senders(log("rank0.n1"), "n1", 0, syncs=1)
+    for wrong in ("rank2.n2", "rank0.n2", None):
+        with pytest.raises(AssertionError):
+            check_senders(log(wrong), "n1", 0, syncs=1)
+    with pytest.raises(AssertionError):
+        check_senders(log("rank0.n1"), "n1", 0, syncs=2)
