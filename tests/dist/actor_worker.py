@@ -1,8 +1,12 @@
-"""Worker for the multi-process actor tests: `torchrun --nproc-per-node N tests/dist/actor_worker.py SCENARIO OUT [k=v...]`.
+"""Worker for the multi-process actor tests: `torchrun --nproc-per-node N tests/dist/actor_worker.py SCENARIO OUT [k=v...]`,
+or several scenarios in one launch: `... actor_worker.py --batch PLAN.json` (a JSON list of [SCENARIO, OUT, [k=v...]],
+run in order, each with its own actor; megatron's parallel state is rebuilt for each, so TP/PP may differ).
 
 Scenarios write their results (rank 0) to OUT as a torch file; the pytest side compares them.
 """
 
+import gc
+import json
 import sys
 
 import torch
@@ -61,13 +65,12 @@ def train_once(actor, seqs):
     return actor.train_step(seqs)
 
 
-def main():
+def run(scenario: str, out: str, args: list[str]) -> None:
     import torch.distributed as dist
 
     from megatron_dapo.actor.actor import MegatronActor
 
-    scenario, out = sys.argv[1], sys.argv[2]
-    kv = dict(a.split("=", 1) for a in sys.argv[3:])
+    kv = dict(a.split("=", 1) for a in args)
     load = kv.pop("load", None)
     save = kv.pop("save", None)
     group = int(kv.pop("group", 1))
@@ -100,9 +103,22 @@ def main():
             actor.save(save, extra={"cursor": 7})
         result["metrics"] = train_once(actor, seqs)
         result["logprobs"] = actor.compute_logprobs(seqs)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
+
+
+def main():
+    if sys.argv[1] == "--batch":
+        with open(sys.argv[2]) as f:
+            plan = json.load(f)
+        for scenario, out, args in plan:
+            run(scenario, out, args)
+            gc.collect()  # the previous actor's model and optimizer
+    else:
+        run(sys.argv[1], sys.argv[2], sys.argv[3:])
 
 
 if __name__ == "__main__":
