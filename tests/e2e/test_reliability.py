@@ -81,17 +81,19 @@ def test_sigusr1_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
             "eval.interval=0", "train.export_hf=false", f"train.run_dir={tmp_path}", "train.name=tr"]  # fmt: skip
     run = tmp_path / "tr"
     cmd = [*torchrun_cmd(2), "-m", "megatron_dapo.cli", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(run, 1, proc)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "megatron_dapo.cli" in p.cmdline()]
-        assert len(ranks) == 2, ranks
-        for p in ranks:
-            p.send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with open(tmp_path / "out.log", "w") as out_f, open(tmp_path / "err.log", "w") as err_f:  # files: no pipe to fill
+        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=out_f, stderr=err_f, start_new_session=True)
+        try:
+            wait_for_step(run, 1, proc)
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "megatron_dapo.cli" in p.cmdline()]
+            assert len(ranks) == 2, ranks
+            for p in ranks:
+                p.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    out, err = (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
     assert proc.returncode == 0, err[-3000:]
     stopped_at = metrics(run)[-1]["step"]
     assert 1 <= stopped_at < 6, f"the run ended at step {stopped_at}: the signal came too late to test a stop"
