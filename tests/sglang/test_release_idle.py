@@ -36,10 +36,11 @@ def chunked_server(model_dir, tmp_path_factory):
     s.stop()
 
 
-def loads_idle_while_prefilling(server, timeout_s: float = 30.0) -> dict | None:
-    """Poll /v1/loads until it reads 0 running, 0 waiting while the KV cache holds a request's tokens: the window."""
+def loads_idle_while_prefilling(server, worker, timeout_s: float = 30.0) -> dict | None:
+    """Poll /v1/loads until it reads 0 running, 0 waiting while the KV cache holds tokens of the request still in
+    flight (``worker`` waits for its answer): the window."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and worker.is_alive():
         load = http_call(server.url, "/v1/loads?include=core")["loads"][0]
         if load.get("num_used_tokens") and not load.get("num_running_reqs") and not load.get("num_waiting_reqs"):
             return load
@@ -53,7 +54,7 @@ def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(ch
     out: list = []
     worker = threading.Thread(target=lambda: out.extend(engine.generate([PROMPT], SamplingParams(max_new_tokens=1))))
     worker.start()
-    window = loads_idle_while_prefilling(chunked_server)
+    window = loads_idle_while_prefilling(chunked_server, worker)
     assert window is not None, "the chunked prefill was never seen: nothing tested"
     engine.sleep()  # before the fix: the assert in SGLang's scheduler, SIGQUIT, a dead server
     assert chunked_server.healthy(), chunked_server.log_path.read_text(errors="replace")[-3000:]
