@@ -60,11 +60,15 @@ test-fast: setup
 
 # The actor's CPU tests on the newest megatron-core in range (0.19.2, requirements/mcore-latest.txt): it needs
 # Python >= 3.12 and PyPI's CUDA torch (it runs on a CPU), so its own venv: ~6 GB, ~10 min to create (a download
-# each time: pip kept nothing in its cache here). Not part of `make test` (README "GPU" says why).
+# the first time; later clean clones install from MCORE_WHEELS). Not part of `make test` (its time budget); .ci/run runs
+# it after `make test`.
 # the first Python 3.12 that runs (a pyenv shim on PATH may only print "command not found")
 PY312   ?= $(shell for p in $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 VENV_MCORE ?= .venv-mcore19
+# its wheels (torch + nvidia-*, ~5.5 GB) kept once per machine: `pip download` skips a file it already has, so a second
+# clean clone installs from disk instead of downloading again (pip's own cache kept nothing here).
+MCORE_WHEELS ?= $(HOME)/.cache/megatron-dapo/wheels-mcore-latest
 MCORE_LATEST_TESTS ?= tests/unit/test_thd_cp.py tests/unit/test_cpu_shims.py tests/unit/test_actor_nonfinite.py \
 	tests/unit/test_logprobs.py tests/unit/test_provider_spec.py tests/dist/test_actor_dist.py
 
@@ -72,6 +76,8 @@ $(VENV_MCORE)/.installed: pyproject.toml requirements/mcore-latest.txt
 	@test -n "$(PY312)" || { echo "need Python 3.12 for megatron-core 0.19 (set PY312=/path/to/python3.12)"; exit 1; }
 	$(PY312) -m venv $(VENV_MCORE)
 	$(VENV_MCORE)/bin/pip install -q --upgrade pip
+	$(VENV_MCORE)/bin/pip download -q -d $(MCORE_WHEELS) -r requirements/mcore-latest.txt
+	$(VENV_MCORE)/bin/pip install -q --no-index --find-links $(MCORE_WHEELS) -r requirements/mcore-latest.txt
 	$(VENV_MCORE)/bin/pip install -q -r requirements/mcore-latest.txt -e ".[dev]"
 	@touch $@
 
