@@ -41,6 +41,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 pass
         raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in typing.get_args(tp):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a bool: `tis: on` means "on"
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
             raise ConfigError(f"{source}: {key} = {value!r}: must be one of {choices}")

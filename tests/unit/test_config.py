@@ -201,3 +201,11 @@ def test_sglang_args_take_bare_numbers_as_written():
 def test_the_control_plane_outwaits_the_server_start():
     with pytest.raises(ConfigError, match=r"rollout\.control_timeout_s = 60\.0: .* rollout\.server_timeout_s"):
         load_config("demo_cpu", ["rollout.control_timeout_s=60", "rollout.server_timeout_s=600"])
+
+
+def test_on_and_off_choices_take_yamls_bare_on_and_off():
+    # YAML 1.1 reads a bare `on` / `off` as a bool: `algo.tis=on` was refused as "algo.tis = True: must be one of ..."
+    assert load_config("demo_cpu", ["algo.tis=on"]).algo.tis == "on"
+    assert load_config("demo_cpu", ["algo.tis=off"]).algo.tis == "off"
+    with pytest.raises(ConfigError, match=r"algo\.tis = 'yes': must be one of 'auto', 'on', 'off'"):
+        load_config("demo_cpu", ["algo.tis='yes'"])
