@@ -12,6 +12,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
+import torch
 import yaml
 
 from megatron_dapo.config import ArchConfig
@@ -44,9 +45,20 @@ PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 10, 11, 12]]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = save_model(tmp_path_factory.mktemp("sglang_qwen3"), ARCH, random_weights(ARCH, seed=0))
+def model_dir(tmp_path_factory):
+    """A random Qwen3 whose q/k norm weights vary across channels as trained ones do (exp(0.7·N(0, 1))), so that
+    a q_norm / k_norm mix-up shows in the logits (RoPE rotates channel c with c + head_dim/2)."""
+    weights, g = random_weights(ARCH, seed=0), torch.Generator().manual_seed(1)
+    for name, t in weights.items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            weights[name] = torch.exp(0.7 * torch.randn(t.shape, generator=g))
+    model_dir = save_model(tmp_path_factory.mktemp("sglang_qwen3"), ARCH, weights)
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
     s = cpu_server(model_dir, tmp_path_factory.mktemp("sglang_qwen3_logs") / "server.log")
     with pytest.MonkeyPatch.context() as mp:  # the key as under `dapo launch` (the trainer below attaches with it)
         mp.setenv(API_KEY_ENV, api_key())
@@ -85,13 +97,16 @@ def test_a_corrupted_q_norm_is_caught_and_named(engine):
     assert engine.weight_version != 3
 
 
-def test_one_dapo_step_on_the_qwen3_server(server, tmp_path):
-    """`dapo train` (megatron-core actor with qk_layernorm, SGLang rollouts) attached to the server: initial sync,
-    one DAPO step, per-step sync, all verified; the server's logprobs match the actor's (bf16 vs fp32)."""
+def test_one_dapo_step_on_the_qwen3_server(server, model_dir, tmp_path):
+    """`dapo train` attached to the server, its actor (megatron-core, qk_layernorm) loaded from the server's own HF
+    directory through the bridge: initial sync, one DAPO step, per-step sync, all verified, and the server's
+    logprobs equal the actor's to bf16 precision: megatron-core's Qwen3 computes what SGLang's does (a bridge that
+    swapped q_norm and k_norm would still round-trip and verify, but not match here)."""
     arch_yaml = tmp_path / "qwen3-tiny.yaml"
     arch_yaml.write_text(yaml.safe_dump(asdict(ARCH)))
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--recipe", "demo_cpu_sglang", *BASE,
-           f"model.arch={arch_yaml}", f'rollout.server_urls=["{server.url}"]', "train.steps=1",
+           f"model.arch={arch_yaml}", f"model.hf_init={model_dir}", "model.tokenizer=char",
+           f'rollout.server_urls=["{server.url}"]', "train.steps=1",
            "train.export_hf=false", f"train.run_dir={tmp_path}", "train.name=qwen3"]  # fmt: skip
     env = {**ENV, API_KEY_ENV: api_key()}
     # Output to a file, not a pipe: the run's torch_shm_manager (the tensor sync's shared memory on a CPU) lives on,
