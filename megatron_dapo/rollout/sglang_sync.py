@@ -181,6 +181,34 @@ class DiskSync(SGLangSync):
         self._flush(servers)
 
 
+def start_shm_manager_detached() -> None:
+    """Start this process's ``torch_shm_manager`` now, with /dev/null as its stderr.
+
+    torch starts the manager at the first "file_system" share (libshm ``start_manager``: fork, stdout -> a pipe to
+    torch, exec) and it inherits our stderr. It lives until the last process that mapped a segment lets go, which is
+    the attached SGLang server, so a ``dapo train | tee log`` whose server outlives it never saw EOF and hung. Once
+    per process (torch keeps one manager socket per client); the fd is restored before returning.
+    """
+    global _SHM_MANAGER_STARTED
+    if _SHM_MANAGER_STARTED:
+        return
+    saved = os.dup(2)
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+            torch.zeros(1).share_memory_()  # the share that starts the manager (it stays up for later shares)
+        finally:
+            os.dup2(saved, 2)
+            os.close(devnull)
+    finally:
+        os.close(saved)
+    _SHM_MANAGER_STARTED = True
+
+
+_SHM_MANAGER_STARTED = False
+
+
 class TensorSync(SGLangSync):
     """/update_weights_from_tensor with flattened buckets: CUDA IPC handles on GPU, shared memory on a CPU."""
 
@@ -190,6 +218,8 @@ class TensorSync(SGLangSync):
         super().__init__(engine, verify, sample_size, head_dim)
         if self.platform.sharing_strategy:  # see PLATFORMS: the server cannot rebuild fd-shared CPU storages
             torch.multiprocessing.set_sharing_strategy(self.platform.sharing_strategy)
+            if self.platform.sharing_strategy == "file_system":
+                start_shm_manager_detached()
 
     gather: Any = None  # node_sync.GpuGather while a per-node sync runs: TP rank i's handle from the rank on GPU i
 
