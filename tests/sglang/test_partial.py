@@ -41,7 +41,10 @@ def test_an_aborted_request_keeps_its_tokens_and_resumes_with_the_budget_left(en
         assert 0 < len(s.response_ids) < BUDGET and len(s.logprobs) == len(s.response_ids)
     resumed = [GenRequest(list(requests[s.prompt_index].input_ids) + s.response_ids, BUDGET - len(s.response_ids),
                           seed=7, route=s.prompt_index) for s in partial]  # fmt: skip
-    for req, s in zip(resumed, engine.generate_requests(resumed, sampling)):
+    answers = list(engine.generate_requests(resumed, sampling))  # in the order they finish
+    assert sorted(s.prompt_index for s in answers) == list(range(len(resumed)))
+    for s in answers:
+        req = resumed[s.prompt_index]  # prompt_index: the request's position in the list sent
         assert s.finish_reason in ("stop", "length") and len(s.response_ids) <= req.max_new_tokens
         assert s.prompt_ids == req.input_ids  # the continuation's prompt is prompt + partial response
 
