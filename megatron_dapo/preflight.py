@@ -94,7 +94,7 @@ def check(needs: Needs, facts: Facts) -> list[str]:
     if gpu and needs.te and facts.imports.get("transformer_engine.pytorch"):
         out.append(f"Transformer Engine is not importable ({facts.imports['transformer_engine.pytorch']}), but "
                    f"{'; '.join(needs.te)} needs it: install transformer-engine[pytorch] (requirements/gpu.txt; the "
-                   "NGC PyTorch container has it), or turn those settings off")  # fmt: skip
+                   "image of docker/Dockerfile has it), or turn those settings off")  # fmt: skip
     for module, what in (("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")):
         if needs.sglang and facts.imports.get(module):
             out.append(f"{what} not importable ({facts.imports[module]}), but rollout.engine = 'sglang' runs on CUDA: "

@@ -52,7 +52,8 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     if impl == "transformer_engine" and not usable:
         raise ConfigError(
             f"model.transformer_impl = 'transformer_engine': Transformer Engine is not usable ({why}); install "
-            "transformer-engine[pytorch] (or run in the NGC PyTorch container), or set model.transformer_impl=local"
+            "transformer-engine[pytorch] (requirements/gpu.txt, or run in the image of docker/Dockerfile), or set "
+            "model.transformer_impl=local"
         )
     if impl == "auto" and not usable and torch.cuda.is_available() and "failed" in why:
         raise ConfigError(
