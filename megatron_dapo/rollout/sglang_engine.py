@@ -454,11 +454,13 @@ class SGLangEngine:
 
     def _run(self, key: tuple[int, int], req: T.GenerateRequest, gen: int, url: str) -> Sample | _Failed:
         rid = str(req.rid)
-        with self._lock:
-            self._inflight[rid] = url
-            self.metrics["requests"] += 1
+        with self._lock:  # one look at the abort generation: a request the pool starts after abort() is never sent
+            cancelled = self._abort_gen != gen
+            if not cancelled:
+                self._inflight[rid] = url
+                self.metrics["requests"] += 1  # requests sent
         try:
-            if self._abort_gen != gen:
+            if cancelled:
                 raise cf.CancelledError
             answer = http_call(url, "/generate", req.to_json(), timeout=self.request_timeout)
             resp = T.GenerateResponse.from_json(answer)

@@ -122,3 +122,21 @@ def test_parse_a_real_shaped_sglang_answer():
     assert r.token_ids == [17, 2] and r.logprobs == [-0.25, -0.75] and r.finish_type == "stop"
     del answer["output_ids"]
     assert T.GenerateResponse.from_json(answer).token_ids == [17, 2]  # fallback: ids from the logprob triples
+
+
+def test_a_request_the_pool_starts_after_an_abort_is_neither_sent_nor_counted(monkeypatch):
+    """generate_stream queues every request on a pool of max_concurrency threads: a thread freed by the abort may pick
+    up a queued request before the stream cancels it. It must see the abort and send nothing (seen: all 6 of 6 sent
+    and counted under load, tests/sglang/test_server.py::test_stream_then_abort_the_surplus)."""
+    from megatron_dapo.rollout import sglang_engine
+    from megatron_dapo.rollout.sglang_server import SGLangServer
+
+    sent = []
+    monkeypatch.setattr(sglang_engine, "http_call", lambda url, path, *a, **k: sent.append(path))
+    engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", device="cpu")], dtype="bfloat16", start=False)
+    req = engine._request([1, 2], SamplingParams(max_new_tokens=4), seed=0, rid="r-0-0-1")
+    stale = engine._abort_gen
+    engine.abort()  # nothing in flight: no /abort_request either
+    sample = engine._run((0, 0), req, stale, "http://127.0.0.1:9")
+    assert sample.finish_reason == "abort" and sample.response_ids == []
+    assert sent == [] and engine.metrics["requests"] == 0 and not engine._inflight
