@@ -68,3 +68,18 @@ def make_char_hf_tokenizer(directory: Path) -> Path:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(directory)
     return Path(directory)
+
+
+def fake_allocation_srun(tmp_path: Path, monkeypatch, gpus_on_node: int = 8) -> Path:
+    """Inside a (fake) one-node Slurm allocation with an ``srun`` on PATH that records its arguments and starts
+    nothing: the file it writes to, which exists only if a job step was started."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 30\n')
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")  # inside an allocation, not a dry run
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", str(gpus_on_node))
+    return calls

@@ -21,7 +21,7 @@ from megatron_dapo.launch.slurm import (
     parse_tasks_per_node,
     torch_env_from_slurm,
 )
-from tests.helpers import REPO
+from tests.helpers import REPO, fake_allocation_srun
 from tests.slurm.conftest import HERE, TEST_RECIPE_32B, free_port, process_running
 
 R32 = str(TEST_RECIPE_32B)
@@ -472,15 +472,7 @@ def test_a_launch_the_servers_cannot_serve_is_refused_before_any_job_step(overri
                                                                           monkeypatch, capsys):  # fmt: skip
     from megatron_dapo.launch.slurm import main
 
-    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 30\n')
-    (bin_dir / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")  # inside an allocation, not a dry run
-    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    calls = fake_allocation_srun(tmp_path, monkeypatch)
     rc = main(["--recipe", R32, "--log-dir", str(tmp_path / "logs"), "--health-timeout", "1", *ONE_NODE, override])
     err = capsys.readouterr().err
     assert rc == 2 and f"{culprit} = " in err and because in err, err

@@ -4,7 +4,6 @@ pass silently for the CPU recipes."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from megatron_dapo.config import load_config
 from megatron_dapo.preflight import FIX_ENV, Facts, PreflightError, check, needs_for, probe, train_preflight
 from megatron_dapo.versions import MCORE_RANGE
+from tests.helpers import fake_allocation_srun
 
 GPU_OK = Facts("2.8.0", "12.8", 8, "0.19.2", {"transformer_engine.pytorch": None, "sglang": None, "sgl_kernel": None})
 CPU = Facts("2.13.0+cpu", None, 0, "0.16.1", {})
@@ -80,15 +80,7 @@ def test_dapo_launch_refuses_before_any_job_step(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(preflight, "probe", lambda needs=None: CPU)  # this machine (its sglang import: 15 s)
 
-    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 30\n')
-    (bin_dir / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
-    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    calls = fake_allocation_srun(tmp_path, monkeypatch)
     small = ["model.hf_init=/m", "parallel.tp=4", "rollout.sglang_tp=8", "cluster.memory_check=false"]
     rc = main(["--recipe", "dapo_7b", "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, *small])
     err = capsys.readouterr().err
