@@ -6,30 +6,19 @@
 
 from __future__ import annotations
 
-import re
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 # megatron-core: the actor runs on 0.16.1 and on the newest release (0.19.2); pyproject.toml pins the same range
 MCORE_RANGE = ">=0.16.1,<0.20"
 
-_OPS = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
-        "==": lambda a, b: a == b}  # fmt: skip
-
-
-def release(version: str) -> tuple[int, ...]:
-    """``"0.19.2rc1+cu12"`` -> ``(0, 19, 2)``: the release numbers (pre-releases and local tags count as that release)."""
-    m = re.match(r"\d+(\.\d+)*", version.strip())
-    if not m:
-        raise ValueError(f"not a version: {version!r}")
-    return tuple(int(p) for p in m.group(0).split("."))
-
 
 def in_range(version: str, spec: str) -> bool:
-    """``version`` satisfies every clause of ``spec`` (``">=0.16.1,<0.20"``); releases compared padded with zeros."""
-    have = release(version)
-    for clause in filter(None, (c.strip() for c in spec.split(","))):
-        op = next(o for o in (">=", "<=", "==", ">", "<") if clause.startswith(o))
-        want = release(clause[len(op) :])
-        n = max(len(have), len(want))
-        if not _OPS[op](have + (0,) * (n - len(have)), want + (0,) * (n - len(want))):
-            return False
-    return True
+    """``version`` satisfies ``spec`` (``">=0.16.1,<0.20"``) as pip reads it (PEP 440, by ``packaging``, which
+    megatron-core itself requires): a pre-release counts below its release (``0.16.1rc1`` is not in ``>=0.16.1``),
+    a local tag (``+cu12``) is ignored, and a pre-release inside the range is accepted (a source build's ``.dev0``)."""
+    try:
+        parsed = Version(version.strip())
+    except InvalidVersion as e:
+        raise ValueError(f"not a version: {version!r}") from e
+    return SpecifierSet(spec, prereleases=True).contains(parsed)

@@ -113,3 +113,14 @@ def test_dapo_launch_probes_the_interpreter_its_steps_run(tmp_path):
     assert facts.imports["transformer_engine.pytorch"].startswith("ModuleNotFoundError")  # what the needs asked
     with pytest.raises(PreflightError, match=r"/usr/bin/false -m megatron_dapo\.preflight failed"):
         probe_python("/usr/bin/false", needs_for(load_config("demo_cpu")))
+
+
+def test_the_megatron_core_range_reads_versions_as_pip_does():
+    from megatron_dapo.versions import in_range
+
+    for ok in ("0.16.1", "0.19.2", "0.19.2+cu13", "0.19.3rc1", "0.17.0.dev0"):
+        assert in_range(ok, MCORE_RANGE), ok
+    for out in ("0.16.0", "0.16.1rc1", "0.20.0", "0.20.0rc0", "1.0"):  # a pre-release is below its release
+        assert not in_range(out, MCORE_RANGE), out
+    with pytest.raises(ValueError, match="not a version: 'main'"):
+        in_range("main", MCORE_RANGE)
