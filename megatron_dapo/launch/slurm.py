@@ -217,6 +217,10 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     """Turn the recipe + the allocation (SLURM_* in ``env``) or ``opts.nodes`` into a plan; raise ConfigError."""
     env = dict(os.environ if env is None else env)
     cfg = load_config(opts.recipe, opts.overrides)
+    if cfg.model.hf_init and (Path(cfg.model.hf_init) / "config.json").is_file():  # where the launch node sees it
+        from megatron_dapo.bridge.hf_config import check_hf_dir  # as dapo train does, before any step
+
+        check_hf_dir(load_arch(cfg.model.arch), cfg.model.hf_init)
     c, r, p = cfg.cluster, cfg.rollout, cfg.parallel
     job_id = env.get("SLURM_JOB_ID")
     if opts.nodelist:

@@ -53,3 +53,17 @@ def test_dapo_qwen3_32b_dry_run_prints_a_layout_predicted_to_fit(tmp_path):
         phases = js["memory"]["phases"]
         assert js["memory"]["fits"] and all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
     assert "model.fp8=e4m3" in sbatch_parallel() and phases["train"]["peak_gib"] > 60  # the 32B's numbers, not 0.6B's
+
+
+@pytest.mark.timeout(120)
+def test_a_dry_run_refuses_a_checkpoint_of_another_architecture(tmp_path):
+    """The launch node reads model.hf_init's config.json as `dapo train` does: a Qwen2.5-32B (or a Qwen3-MoE)
+    directory for the Qwen3 recipe is an error in the plan, not at the trainer's start on 16 nodes."""
+    for name, config in (("Qwen2.5-32B", {**QWEN3_32B, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                          "attention_bias": True, "head_dim": 80}),
+                         ("Qwen3-30B-A3B", {**QWEN3_32B, "model_type": "qwen3_moe"})):  # fmt: skip
+        hf = tmp_path / name
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps(config))
+        out = dapo_launch("--recipe", "dapo_qwen3_32b", "--dry-run", "--nodes", "16", f"model.hf_init={hf}")
+        assert out.returncode == 2 and f"model.hf_init = {hf}: config.json" in out.stderr, (name, out.stderr)
