@@ -8,6 +8,8 @@ TORCH   ?= torch==2.13.0
 MCORE   ?= megatron-core==0.16.1
 SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
+# the slowest tests, printed at the end of `make test` (where the suite's time goes, for whoever trims it next)
+PYTEST_DURATIONS ?= --durations=25
 
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
 GPU_PY  ?= python3
@@ -53,7 +55,7 @@ DAPO_REQUIRE_SLURM  ?= 1
 DAPO_REQUIRE_MOUNT  ?= 1
 test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
 	DAPO_REQUIRE_SGLANG=$(DAPO_REQUIRE_SGLANG) DAPO_REQUIRE_SLURM=$(DAPO_REQUIRE_SLURM) \
-	DAPO_REQUIRE_MOUNT=$(DAPO_REQUIRE_MOUNT) $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	DAPO_REQUIRE_MOUNT=$(DAPO_REQUIRE_MOUNT) $(BIN)/python -m pytest -q -rs $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
