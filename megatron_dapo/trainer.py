@@ -70,6 +70,7 @@ class Trainer:
         self.actor = MegatronActor(cfg, self.arch)  # initializes torch.distributed
         self.is_driver = is_driver()  # rank 0 (asked before the actor, every rank would say so)
         self.samples_generated = 0  # over the whole run (resumes included): train.sample_budget
+        self.rl_seconds = self.rl_seconds_before = 0.0  # RL seconds, resumes included (rank 0's): train.time_budget_s
         self.start_step = self._restore(self.resumed_from)
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,10 @@ class Trainer:
                 with Timer("rollout", times):  # rank 0 generates; each DP rank is sent its share of the batch
                     seqs, (metrics, sampling_stats) = scatter_batch(partial(self.schedule.next_batch, step), self.actor)
                 self.samples_generated += sampling_stats["samples_generated"]
-                final = step == cfg.train.steps or self._budget_spent(started)
+                self.rl_seconds = self.rl_seconds_before + float(broadcast(time.monotonic() - started))
+                final = step == cfg.train.steps or self._budget_spent()
+                # the next update's learning rate decays over what the run has spent of its budgets (lr_schedule.py)
+                self.actor.scheduler.set_spent(self.samples_generated, self.rl_seconds)
                 self.phases.to_train()  # colocated: engines release their memory, the trainer's state comes back
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
@@ -140,14 +144,13 @@ class Trainer:
         self.rollout.close()
         return last
 
-    def _budget_spent(self, started: float) -> bool:
-        """``train.sample_budget`` samples generated or ``train.time_budget_s`` seconds of RL spent (rank 0 decides
-        at the start of a step, from the numbers all ranks share)."""
+    def _budget_spent(self) -> bool:
+        """``train.sample_budget`` samples generated or ``train.time_budget_s`` seconds of RL spent, resumes included
+        (from the numbers all ranks share: the samples and rank 0's clock)."""
         t = self.cfg.train
-        spent = bool(t.sample_budget and self.samples_generated >= t.sample_budget) or bool(
-            t.time_budget_s and time.monotonic() - started >= t.time_budget_s
+        return bool(t.sample_budget and self.samples_generated >= t.sample_budget) or bool(
+            t.time_budget_s and self.rl_seconds >= t.time_budget_s
         )
-        return bool(broadcast(spent))
 
     # ------------------------------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -196,7 +199,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         # the schedule's state: prompt cursor, sampler counters, samples carried in flight (rank 0's is saved)
-        extra = {**self.schedule.state_dict(), "step": step, "samples_generated": self.samples_generated}
+        extra = {**self.schedule.state_dict(), "step": step, "samples_generated": self.samples_generated,
+                 "rl_seconds": self.rl_seconds}  # fmt: skip
         self.actor.save(self.ckpt_dir / runs.checkpoint_dir_name(step), extra=extra)
         if is_driver() and self.cfg.train.keep_checkpoints:  # keep the newest train.keep_checkpoints, by step number
             for _, old in runs.checkpoints(self.ckpt_dir)[: -self.cfg.train.keep_checkpoints]:
@@ -249,6 +253,7 @@ class Trainer:
             return 0
         extra = self.actor.load(path)
         self.samples_generated = int(extra.get("samples_generated", 0))
+        self.rl_seconds = self.rl_seconds_before = float(extra.get("rl_seconds", 0.0))
         self._resume_extra = extra  # prompt cursor, sampler, carried samples: the schedule's, once it is built
         if is_driver():
             print(f"resuming from {path} (step {extra['step']})", flush=True)

@@ -208,7 +208,8 @@ class MegatronActor:
     # ------------------------------------------------------------------------------------------------------------------
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_dapo.actor.lr_schedule import make_scheduler
 
         t = self.cfg.train
         dtype = DTYPES[self.cfg.model.dtype]
@@ -227,23 +228,8 @@ class MegatronActor:
             use_distributed_optimizer=self.distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
-        # One scheduler step per train step (as verl's DAPO recipe counts warmup). Weight decay is excluded from norms
-        # and biases (wd_mult = 0) only through the scheduler, so it is always used.
-        total = max(self.cfg.train.steps, t.warmup_steps + 1)
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if t.warmup_steps else t.lr,
-            max_lr=t.lr,
-            min_lr=t.min_lr if t.min_lr is not None else t.lr,
-            lr_warmup_steps=t.warmup_steps,
-            lr_decay_steps=total,
-            lr_decay_style="constant" if t.min_lr is None else "cosine",
-            start_wd=t.weight_decay,
-            end_wd=t.weight_decay,
-            wd_incr_steps=total,
-            wd_incr_style="constant",
-        )
-        return optimizer, scheduler
+        # warmup, then a decay over the run's steps or budgets (lr_schedule.py)
+        return optimizer, make_scheduler(optimizer, t)
 
     @property
     def lr(self) -> float:
