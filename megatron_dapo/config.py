@@ -115,6 +115,12 @@ class RolloutConfig:
     # partial_max_age weight versions behind the trainer is dropped (counted)
     partial: bool = False
     partial_max_age: int = 2
+    # when a step's batch is generated (rollout/async_schedule.py): sync = in the step, on the trainer's weights;
+    # one_step_off = step k+1's batch in the background on v_{k-1} while step k trains (async, max_staleness 1);
+    # async = a producer running up to max_staleness weight versions ahead of the trainer. Both: engines on their own
+    # devices (rollout.colocate = false); the weight sync waits for the batch in progress (a batch is one version)
+    schedule: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = 2  # async: a batch is trained at most this many versions after the weights it started on
 
 
 @dataclass
@@ -240,7 +246,12 @@ class DapoConfig:
     def tis_possible(self) -> bool:
         """TIS may weight some tokens: on for all (``tis_enabled``), or (auto, partial rollout) for the tokens sampled
         from older weights than the trainer's (the batch's ``Sequence.tis_mask``)."""
-        return self.tis_enabled or (self.algo.tis == "auto" and self.rollout.partial)
+        return self.tis_enabled or (self.algo.tis == "auto" and (self.rollout.partial or self.off_policy_schedule))
+
+    @property
+    def off_policy_schedule(self) -> bool:
+        """The batch is generated on older weights than it is trained on (one_step_off, async)."""
+        return self.rollout.schedule != "sync"
 
     @property
     def max_seq_len(self) -> int:
@@ -310,6 +321,7 @@ _IGNORED_WHEN = {
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
     "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
     "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
+    "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
     "eval.n": _GREEDY, "eval.temperature": _GREEDY, "eval.top_p": _GREEDY,
 }  # fmt: skip
@@ -440,6 +452,17 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
     if r.partial_max_age < 1:
         fail("rollout.partial_max_age", r.partial_max_age, "must be >= 1 (weight versions a carried group may lag)")
+    if r.max_staleness < 1:
+        fail("rollout.max_staleness", r.max_staleness, "must be >= 1 (weight versions the producer may run ahead)")
+    if r.schedule != "sync" and r.colocate:
+        fail(
+            "rollout.schedule",
+            r.schedule,
+            "with rollout.colocate = true the engines share the trainer's devices and release their memory while it "
+            "trains (rollout/phases.py), so nothing can generate meanwhile: use rollout.schedule=sync (with "
+            "rollout.partial=true if you like), or rollout.colocate=false (engines on their own devices; the hf "
+            "engine: its own copy of the weights, generating in a thread)",
+        )
     if r.max_restarts_per_step < 0:
         fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
     if not 0 < r.mem_fraction < 1:

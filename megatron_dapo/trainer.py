@@ -78,7 +78,7 @@ class Trainer:
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         self.scorer = RewardScorer() if is_driver() else None
-        # when samples are generated and on which weights (sync, partial): asked for each batch, told each version
+        # when samples are generated, on which weights (rollout.schedule): asked for each batch, told each version
         self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer)
         if self._resume_extra:
             self.schedule.load_state_dict(self._resume_extra)
@@ -118,7 +118,8 @@ class Trainer:
                 metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
-                with Timer("sync", times):
+                with Timer("sync", times):  # one_step_off/async: the batch in progress finishes first (the boundary)
+                    self.schedule.before_sync()
                     metrics.update(self.rollout.sync_weights(self.actor, version=step))
                 self.schedule.weights_updated(step)
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
@@ -141,6 +142,7 @@ class Trainer:
             self.export_hf(self.run_dir / "hf")
         if self.logger:
             self.logger.close()
+        self.schedule.close()  # one_step_off/async: the producer thread ends (idle since the last sync)
         self.rollout.close()
         return last
 

@@ -3,6 +3,7 @@
     schedule = make_schedule(cfg, engine, prompts, sampler, scorer)   # every rank; only rank 0 generates
     seqs, (metrics, stats) = schedule.next_batch(step)   # rank 0: B groups judged complete, as training sequences
     ...train...
+    schedule.before_sync()                                # every rank: engines idle for the sync (no-op here)
     schedule.weights_updated(version)                     # every rank, once the engines hold ``version``
     extra = schedule.state_dict()                         # prompt cursor, sampler counters, carried samples
 
@@ -15,7 +16,8 @@ selection is not biased toward short responses. A carried group whose oldest tok
 ``rollout.partial_max_age`` versions behind is dropped, and counted. Tokens from older weights than the trainer's
 are tagged (``Group.token_lag``) for per-token TIS (``algo.tis: auto``).
 
-The trainer keeps no branch on the schedule: it calls these three methods whatever the mode.
+``rollout.schedule: one_step_off | async`` (a producer thread generating ahead of the trainer): ``async_schedule.py``.
+The trainer keeps no branch on the schedule: it calls these methods whatever the mode.
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from megatron_dapo.algo.sampling import PromptOrderCollector
 from megatron_dapo.batch import Group, group_from_samples, to_sequences
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptItem
+from megatron_dapo.rollout.async_schedule import AsyncSchedule
 from megatron_dapo.rollout.engine import GenRequest, SamplingParams, sample_seed
 
 
-def make_schedule(cfg, engine, prompts, sampler, scorer) -> SyncSchedule:
+def make_schedule(cfg, engine, prompts, sampler, scorer):
     if cfg.rollout.partial and engine is not None and not hasattr(engine, "generate_requests"):
         raise ConfigError(f"rollout.partial = true: the {type(engine).__name__} cannot resume samples")
-    return (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer)
+    inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer)
+    return inner if cfg.rollout.schedule == "sync" else AsyncSchedule(cfg, inner)  # a producer thread drives inner
 
 
 class SyncSchedule:
@@ -59,8 +63,14 @@ class SyncSchedule:
     def batch_metrics(self) -> dict[str, float]:
         return {}
 
+    def before_sync(self) -> None:
+        """Nothing generates between steps here (one_step_off/async: wait for the batch in progress)."""
+
     def weights_updated(self, version: int) -> None:
         self.version = int(version)
+
+    def close(self) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {"prompts": self.prompts.state_dict(), "sampler": self.sampler.state_dict()}
@@ -71,6 +81,11 @@ class SyncSchedule:
         if state.get("schedule"):
             raise ConfigError(
                 "the checkpoint holds samples carried by partial rollout; resume it with rollout.partial=true"
+            )
+        if (state.get("async") or {}).get("ready"):
+            raise ConfigError(
+                f"the checkpoint holds batches generated but not yet trained: resume it with "
+                f"rollout.schedule={state['async']['kind']}"
             )
 
     def sampling(self, step: int, batch_index: int) -> SamplingParams:
