@@ -147,11 +147,15 @@ class AlgoConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet in the DAPO schema
-    # generate a synthetic verifiable task instead of files: add2 (the demo), chain (variable-length reasoning)
-    synthetic: Literal["add2", "chain", "none"] = "none"
+    # generate a synthetic verifiable task instead of files: add2 (the demo), chain (variable-length reasoning),
+    # chain_mix (the ablation toy: chains answered directly or written out, data/chain_mix.py)
+    synthetic: Literal["add2", "chain", "chain_mix", "none"] = "none"
     chain_max_terms: int = 7
     synthetic_train_size: int = 20000
     synthetic_eval_size: int = 200
+    # chain_mix: the held-out partition the eval set comes from: dev selects a warm start (train.supervised_stop_acc),
+    # eval is never trained or selected on
+    synthetic_eval_split: Literal["eval", "dev"] = "eval"
     max_prompt_len: int = 2048
     prompt_overflow: Literal["truncate", "error"] = "truncate"  # longer prompts: cut from the left (counted) | refuse
     shuffle: bool = True
@@ -313,6 +317,7 @@ _IGNORED_WHEN = {
     "data.train_files": (lambda c: c.data.synthetic != "none",
                          "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)"),
     "data.synthetic_train_size": _SYNTHETIC, "data.synthetic_eval_size": _SYNTHETIC,
+    "data.synthetic_eval_split": (lambda c: c.data.synthetic != "chain_mix", "data.synthetic = {data.synthetic!r}"),
     "train.supervised_lr": _NO_WARMUP, "train.supervised_batch": _NO_WARMUP, "train.supervised_stop_acc": _NO_WARMUP,
     "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
     "rollout.server_urls": _NOT_SGLANG, "rollout.sglang_tp": _NOT_SGLANG, "rollout.mem_fraction": _NOT_SGLANG,
@@ -512,6 +517,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
                 fail("rollout.sglang_pythonpath", path, f"not a directory (relative to {Path.cwd()})")
     if d.max_prompt_len < 1:
         fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
+    if d.synthetic_eval_split == "dev" and d.synthetic != "chain_mix":
+        fail("data.synthetic_eval_split", d.synthetic_eval_split, "only data.synthetic = chain_mix has a dev split")
     if d.synthetic == "none" and not d.train_files:
         fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
     if cfg.eval.n < 1:

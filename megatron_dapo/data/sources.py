@@ -9,6 +9,8 @@ from typing import Any
 
 from megatron_dapo.data.chain import DATA_SOURCE as CHAIN
 from megatron_dapo.data.chain import make_chain_datasets
+from megatron_dapo.data.chain_mix import DATA_SOURCE as CHAIN_MIX
+from megatron_dapo.data.chain_mix import make_chain_mix_datasets
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.synthetic import DATA_SOURCE, make_add2_datasets
 
@@ -36,6 +38,12 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
         train, evals[CHAIN] = make_chain_datasets(
             tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
             d.chain_max_terms, d.apply_chat_template,
+        )  # fmt: skip
+    elif d.synthetic == "chain_mix":  # the held-out set: eval, or dev (named so) to select a warm start on
+        name = CHAIN_MIX if d.synthetic_eval_split == "eval" else f"{CHAIN_MIX}-dev"
+        train, evals[name] = make_chain_mix_datasets(
+            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
+            d.chain_max_terms, d.synthetic_eval_split, d.apply_chat_template,
         )  # fmt: skip
     else:
         train = PromptDataset.from_files(
