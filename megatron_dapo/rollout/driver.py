@@ -188,6 +188,13 @@ class RolloutDriver:
         from megatron_dapo.rollout.engine import RolloutError
 
         p = self.cfg.parallel
+        if self.cfg.rollout.schedule != "sync":
+            raise RolloutError(
+                f"{[s.url for s in servers]} restarted mid-rollout, but with rollout.schedule = "
+                f"{self.cfg.rollout.schedule!r} the trainer is training meanwhile: its weights are not the batch's "
+                "version and its ranks are not waiting for an export; stopping (--resume auto continues from the last "
+                "checkpoint)"
+            )
         if self.node_sync is not None and {s.url for s in servers} - {self.node_sync.route.url}:
             raise RolloutError(
                 f"{[s.url for s in servers]} restarted, but weights reach an engine only from its own node's ranks "

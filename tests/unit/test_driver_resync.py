@@ -21,8 +21,8 @@ class FakeSync:
         return SimpleNamespace(version=version, tensors=3, seconds=0.0, verified=3)
 
 
-def _driver(tp=1, pp=1, node_url=None):
-    cfg = load_config("demo_cpu", [f"parallel.tp={tp}", f"parallel.pp={pp}"])
+def _driver(tp=1, pp=1, node_url=None, *extra):
+    cfg = load_config("demo_cpu", [f"parallel.tp={tp}", f"parallel.pp={pp}", *extra])
     node_sync = SimpleNamespace(route=SimpleNamespace(url=node_url)) if node_url else None
     return SimpleNamespace(cfg=cfg, node_sync=node_sync, actor=SimpleNamespace(model=["model"]), arch=None,
                            sync=FakeSync(), engine=SimpleNamespace(weight_version=7))  # fmt: skip
@@ -83,3 +83,11 @@ def test_per_node_sync_refuses_another_nodes_engine(world):
     assert d.sync.calls == []
     RolloutDriver.resync(d, [server("http://n1:10008")])  # rank 0's own engine
     assert len(d.sync.calls) == 1
+
+
+def test_an_off_policy_schedule_stops_instead_of_resyncing_under_training(world):
+    world(1)
+    d = _driver(1, 1, None, "rollout.schedule=one_step_off", "rollout.colocate=false")
+    with pytest.raises(RolloutError, match="rollout.schedule = 'one_step_off' the trainer is training meanwhile"):
+        RolloutDriver.resync(d, [server("http://n1:10008")])  # the actor's weights are newer than the batch's
+    assert d.sync.calls == []
