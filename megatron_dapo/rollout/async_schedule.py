@@ -171,8 +171,8 @@ class AsyncSchedule:
         return ReadyBatch(step, version, groups, stats, metrics)
 
     def _raise(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
+        if self._error is not None:  # the producer's own error (its type: RolloutError, BudgetError, ...), raised here
+            raise self._error
 
     # -- resume -----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
