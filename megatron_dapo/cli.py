@@ -29,6 +29,9 @@ def _train(args) -> int:
 
     cfg = load_config(args.recipe, args.overrides)
     from megatron_dapo.preflight import train_preflight
+    from megatron_dapo.trainer import prepare_model_and_engine
+
+    prepare_model_and_engine(cfg)  # gguf:... -> its HF directory; the HF engine when sglang is missing (and allowed)
 
     train_preflight(cfg)  # the GPU stack, this node's GPUs, the tensor sync's reach: before the model or a server
     trainer = Trainer(cfg, resume=args.resume, stop=stop)

@@ -80,6 +80,8 @@ class SamplingConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = "hf"
+    # sglang but the sglang package is not installed: the in-process HF engine generates instead, said at start
+    fallback_hf: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # copy: in process (hf engine); tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU);
     # distributed: a process group with the servers (NCCL on GPU, gloo on CPU); disk: safetensors files
@@ -148,9 +150,11 @@ class AlgoConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet in the DAPO schema
     # generate a synthetic verifiable task instead of files: add2 (the demo), chain (variable-length reasoning),
-    # chain_mix (the ablation toy: chains answered directly or written out, data/chain_mix.py)
-    synthetic: Literal["add2", "chain", "chain_mix", "none"] = "none"
+    # chain_mix (the ablation toy: chains answered directly or written out, data/chain_mix.py), word_math (word
+    # problems in the DAPO prompt, for a real tokenizer: data/word_math.py)
+    synthetic: Literal["add2", "chain", "chain_mix", "word_math", "none"] = "none"
     chain_max_terms: int = 7
+    word_math_max_ops: int = 2  # word_math: steps per problem, 1..this
     synthetic_train_size: int = 20000
     synthetic_eval_size: int = 200
     # chain_mix: the held-out partition the eval set comes from: dev selects a warm start (train.supervised_stop_acc),
@@ -171,6 +175,7 @@ class EvalConfig:
     top_p: float = 0.7
     max_new_tokens: int | None = None  # None = rollout.sampling.max_new_tokens
     greedy: bool = False  # one greedy sample instead of n samples
+    at_start: bool = False  # also evaluate the starting policy (step 0 of metrics.jsonl) when there is no warm start
 
 
 @dataclass
@@ -318,9 +323,11 @@ _IGNORED_WHEN = {
                          "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)"),
     "data.synthetic_train_size": _SYNTHETIC, "data.synthetic_eval_size": _SYNTHETIC,
     "data.synthetic_eval_split": (lambda c: c.data.synthetic != "chain_mix", "data.synthetic = {data.synthetic!r}"),
+    "data.word_math_max_ops": (lambda c: c.data.synthetic != "word_math", "data.synthetic = {data.synthetic!r}"),
     "train.supervised_lr": _NO_WARMUP, "train.supervised_batch": _NO_WARMUP, "train.supervised_stop_acc": _NO_WARMUP,
     "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
     "rollout.server_urls": _NOT_SGLANG, "rollout.sglang_tp": _NOT_SGLANG, "rollout.mem_fraction": _NOT_SGLANG,
+    "rollout.fallback_hf": _NOT_SGLANG,
     "rollout.max_concurrency": _NOT_SGLANG, "rollout.fanout": _NOT_SGLANG,
     "algo.overlong_cache": _NO_OVERLONG, "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
@@ -519,6 +526,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
     if d.synthetic_eval_split == "dev" and d.synthetic != "chain_mix":
         fail("data.synthetic_eval_split", d.synthetic_eval_split, "only data.synthetic = chain_mix has a dev split")
+    if d.word_math_max_ops < 1:
+        fail("data.word_math_max_ops", d.word_math_max_ops, "must be >= 1")
     if d.synthetic == "none" and not d.train_files:
         fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
     if cfg.eval.n < 1:

@@ -34,7 +34,13 @@ def run_eval(
         results = scorer.score_batch([s.text for s in samples], [items[s.prompt_index] for s in samples])
         for s, r in zip(samples, results):
             records.append(
-                {"data_source": name, "problem_id": s.prompt_index, "pred": r.get("pred"), "acc": bool(r["acc"])}
+                {
+                    "data_source": name,
+                    "problem_id": s.prompt_index,
+                    "pred": r.get("pred"),
+                    "acc": bool(r["acc"]),
+                    "valid": r.get("status") != "invalid",
+                }
             )
             if samples_out is not None:
                 item = items[s.prompt_index]

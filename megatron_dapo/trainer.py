@@ -43,9 +43,27 @@ from megatron_dapo.rollout.phases import make_phases
 from megatron_dapo.rollout.schedule import make_schedule
 
 
+def prepare_model_and_engine(cfg: DapoConfig) -> None:
+    """``model.hf_init = gguf:...`` becomes its cached HF directory (``gguf.resolve_hf_dir``, built once); with
+    ``rollout.fallback_hf`` and no sglang installed, the HF engine generates instead (said here, at start)."""
+    import importlib.util
+
+    from megatron_dapo.gguf import resolve_hf_dir
+
+    log = (lambda s: print(f"model: {s}", flush=True)) if is_driver() else (lambda s: None)
+    cfg.model.hf_init = resolve_hf_dir(cfg.model.hf_init, log)
+    r = cfg.rollout
+    if r.engine == "sglang" and r.fallback_hf and importlib.util.find_spec("sglang") is None:
+        if is_driver():
+            print("rollout: sglang is not installed: the in-process HF engine generates instead (rollout.fallback_hf; "
+                  "`make demo-smollm` installs sglang)", flush=True)  # fmt: skip
+        r.engine, r.weight_sync = "hf", "copy"
+
+
 class Trainer:
     def __init__(self, cfg: DapoConfig, resume: str | None = "auto", stop: runs.StopRequest | None = None):
         self.cfg = cfg
+        prepare_model_and_engine(cfg)
         set_control_timeout(cfg.rollout.control_timeout_s)  # what the other ranks wait on while rank 0 works
         self.arch = load_arch(cfg.model.arch)
         if cfg.model.hf_init:  # an HF checkpoint of another architecture: an error now, not after building the model
@@ -96,6 +114,8 @@ class Trainer:
             self.warm_start()
         self.rollout.sync_weights(self.actor, version=self.start_step)
         self.schedule.weights_updated(self.start_step)
+        if self.start_step == 0 and cfg.eval.at_start and not cfg.train.supervised_warmup_steps:
+            self.log(0, self.evaluate(0))  # where RL starts from (a warm start logs its own step 0)
         last = {}
         steps = range(self.start_step + 1, cfg.train.steps + 1)
         started = time.monotonic()

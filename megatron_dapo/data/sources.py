@@ -13,6 +13,8 @@ from megatron_dapo.data.chain_mix import DATA_SOURCE as CHAIN_MIX
 from megatron_dapo.data.chain_mix import make_chain_mix_datasets
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.synthetic import DATA_SOURCE, make_add2_datasets
+from megatron_dapo.data.word_math import DATA_SOURCE as WORD_MATH
+from megatron_dapo.data.word_math import make_word_math_datasets
 
 
 def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict[str, PromptDataset]]:
@@ -44,6 +46,11 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
         train, evals[name] = make_chain_mix_datasets(
             tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
             d.chain_max_terms, d.synthetic_eval_split, d.apply_chat_template,
+        )  # fmt: skip
+    elif d.synthetic == "word_math":  # word problems for a real tokenizer (SmolLM2 recipe)
+        train, evals[WORD_MATH] = make_word_math_datasets(
+            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
+            d.word_math_max_ops, d.apply_chat_template,
         )  # fmt: skip
     else:
         train = PromptDataset.from_files(
