@@ -5,6 +5,7 @@ exactly (no prompt lost, none trained twice)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -217,3 +218,13 @@ def test_a_producer_failure_is_raised_in_the_trainer():
         s.before_sync()  # and at every later call: the run stops
     s.close()
     assert isinstance(make(partial_cfg()), SyncSchedule)
+
+
+def test_the_trainer_has_no_branch_on_the_schedule():
+    from tests.helpers import REPO
+
+    src = (REPO / "megatron_dapo" / "trainer.py").read_text()
+    assert not re.search(r"cfg\.rollout\.(schedule|partial|max_staleness)\b", src)  # the mode: the schedule's
+    for call in ("schedule.next_batch", "schedule.before_sync()", "schedule.weights_updated(", "schedule.state_dict()",
+                 "schedule.close()"):  # fmt: skip
+        assert call in src, call
