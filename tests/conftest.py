@@ -1,8 +1,15 @@
-"""Suite-wide guard: every test module in the tree is collected when the whole suite runs.
+"""Suite-wide: every test module in the tree is collected when the whole suite runs; the groups pytest-xdist keeps.
 
 pytest silently skips folders matched by ``norecursedirs`` (its default list holds ``dist`` and ``build``) and files
 that do not match ``python_files``; a test folder dropped that way reports nothing, not even a skip. When a run
 collects a directory (``make test`` collects ``tests/``), each ``test_*.py`` below it must have been visited.
+
+``make test`` runs on two pytest-xdist workers (``-n 2 --dist loadscope``): about half of the suite's time is spent
+waiting (Slurm scheduling, servers starting, torchrun rendezvous), so a second worker uses the core the first leaves idle.
+The scheduler below keeps together what a fixture builds once: tests/sglang shares one SGLang server per session and
+tests/slurm one local Slurm, so each of those folders runs on one worker; any other file keeps its module-scoped
+fixtures on one worker. (xdist's own ``loadgroup`` cannot do it on pytest 9.2: its group suffix goes to
+``item._nodeid``, which pytest 9.2's ``Node.nodeid`` no longer reads, so every test lands in no group.)
 """
 
 from __future__ import annotations
@@ -26,6 +33,32 @@ def expected_test_files(roots: list[Path]) -> set[Path]:
         if root.is_dir():
             out |= {p.resolve() for p in root.rglob("test_*.py") if "__pycache__" not in p.parts}
     return out
+
+
+SESSION_FOLDERS = ("sglang", "slurm")  # folders whose tests share a session fixture: one worker each
+
+
+def worker_scope(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: ``tests/<folder>`` for SESSION_FOLDERS, else the test's file."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == TESTS.name and parts[1] in SESSION_FOLDERS:
+        return "/".join(parts[:2])
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with :func:`worker_scope` as the scope (the largest scopes are handed out first)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FolderScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return FolderScheduling(config, log)
 
 
 def missing_test_files(roots: list[Path], visited: set[Path]) -> list[Path]:

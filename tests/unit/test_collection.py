@@ -22,3 +22,16 @@ def test_a_folder_dropped_by_norecursedirs_fails_the_run():
     out = collect("-o", "norecursedirs=.* build dist")
     assert out.returncode == 4, out.stdout[-2000:]
     assert "were not collected" in out.stderr and "tests/dist/test_actor_dist.py" in out.stderr
+
+
+def test_xdist_keeps_each_shared_fixture_folder_on_one_worker():
+    from tests.conftest import worker_scope
+
+    # one SGLang server per session, one local Slurm: every test of the folder is one unit of work
+    assert {
+        worker_scope(n) for n in ("tests/sglang/test_server.py::test_a", "tests/sglang/test_tp2.py::test_b[x]")
+    } == {"tests/sglang"}
+    assert worker_scope("tests/slurm/test_local_slurm.py::test_c") == "tests/slurm"
+    # elsewhere a file is the unit (its module-scoped fixtures built once), so two files may run side by side
+    assert worker_scope("tests/unit/test_plan.py::test_d") == "tests/unit/test_plan.py"
+    assert worker_scope("tests/e2e/test_learning.py::test_e") != worker_scope("tests/e2e/test_trainer.py::test_e")
