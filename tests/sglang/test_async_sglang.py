@@ -1,0 +1,30 @@
+"""`dapo train --recipe demo_cpu_sglang` with ``rollout.schedule=one_step_off`` and partial rollout: the producer thread
+drives the REAL SGLang CPU server over HTTP while the trainer trains; each step's batch after the first was generated
+on the weights one version behind, the sync (verified, every step) waits for it, and the run ends with its server
+stopped."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from tests.e2e.test_trainer import BASE, dapo, metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_one_step_off_with_partial_rollout_on_the_real_server(tmp_path):
+    dapo("train", "--recipe", "demo_cpu_sglang", *BASE, "train.steps=3", "rollout.schedule=one_step_off",
+         "rollout.partial=true", "algo.gen_batch_prompts=12", f"train.run_dir={tmp_path}", "train.name=one_off")  # fmt: skip
+    run = tmp_path / "one_off"
+    rows = {r["step"]: r for r in metrics(run)}
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["rollout/batch_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for s in (2, 3):
+        assert rows[s]["rollout/version_lag_mean"] >= 1 and rows[s]["train/tis_token_frac"] == 1.0  # TIS on, auto
+        assert rows[s]["train/kept_groups"] == 8 and rows[s]["sync/tensors"] == 26
+    assert 1e-5 < rows[1]["train/logp_gap_mean"] < 0.05  # the on-policy first step: server and actor agree
+    assert all(rows[s]["rollout/carried_groups"] == 4 for s in rows)  # the surplus (12 - 8 prompts) is kept
+    assert rows[3]["rollout/version_lag_max"] >= 2  # carried groups from an older batch: lag 1 + their age
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, f"the run left its server running: {leftovers}"
