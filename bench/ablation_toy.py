@@ -50,7 +50,7 @@ def sample(
     """``dapo eval`` of checkpoint ``load`` on ``parquet``, ``n`` samples per problem: the scored samples."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "eval", "--recipe", RECIPE, "--load", str(load), "--data",
-           str(parquet), "--n", str(n), "--samples-out", str(out), *overrides]  # fmt: skip
+           str(parquet), "--n", str(n), "--samples-out", str(out), f"train.run_dir={out.parent}", *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -63,7 +63,7 @@ def _tokens(s: dict) -> int:
 
 
 def _terms(s: dict) -> int:
-    return s["prompt"].count("+") + 1
+    return len(s["prompt"].split("Q: ")[-1].rstrip("=").split())
 
 
 def stats(samples: list[dict], l_max: int, l_cache: int) -> dict:
@@ -118,8 +118,14 @@ def measure(load: Path, work: Path, problems: int = 256, threads: int = 1, overr
     evals = held_out_rows("eval", cfg.data.synthetic_eval_size, cfg.data.chain_max_terms)
     out = {"l_max": l_max, "l_cache": l_cache, "group_size": cfg.algo.group_size}
     for name, rows, n in (("train", probe, cfg.algo.group_size), ("eval", evals, cfg.eval.n)):
-        parquet = write_parquet_atomic(rows, work / f"toy-{name}.parquet")
-        out[name] = stats(sample(load, parquet, n, work / f"toy-{name}.jsonl", threads, overrides), l_max, l_cache)
+        done = work / f"toy-{name}.jsonl"  # a rerun with the same work directory reuses its samples
+        if done.exists():
+            samples = [json.loads(line) for line in done.read_text().splitlines()]
+        else:
+            samples = sample(
+                load, write_parquet_atomic(rows, work / f"toy-{name}.parquet"), n, done, threads, overrides
+            )
+        out[name] = stats(samples, l_max, l_cache)
     return out
 
 

@@ -5,7 +5,15 @@ recipe's no-penalty region with margin, a warm start that mixes the styles half 
 import pytest
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.chain_mix import DATA_SOURCE, held_out_rows, split_of, train_rows
+from megatron_dapo.data.chain_mix import (
+    DATA_SOURCE,
+    held_out_rows,
+    problem,
+    split_of,
+    steps,
+    train_rows,
+    written_solution,
+)
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.synthetic import supervised_target_ids
 from megatron_dapo.data.tokenizer import CharTokenizer
@@ -17,16 +25,22 @@ def _key(row: dict) -> str:
 
 
 def test_splits_are_fixed_by_the_problem_and_disjoint_for_every_seed():
-    evals, dev = held_out_rows("eval", 200, 5), held_out_rows("dev", 200, 5)
-    assert [_key(r) for r in evals] == [_key(r) for r in held_out_rows("eval", 200, 5)]  # no seed in it
+    evals, dev = held_out_rows("eval", 200, 6), held_out_rows("dev", 200, 6)
+    assert [_key(r) for r in evals] == [_key(r) for r in held_out_rows("eval", 200, 6)]  # no seed in it
     assert len({_key(r) for r in evals}) == len({_key(r) for r in dev}) == 200
     assert not {_key(r) for r in evals} & {_key(r) for r in dev}
     for seed in (1, 2):
-        train = train_rows(3000, seed, 5)
+        train = train_rows(3000, seed, 6)
         assert not {_key(r) for r in train} & ({_key(r) for r in evals} | {_key(r) for r in dev})
-        assert {split_of([int(c) for c in _key(r)[:-1].split("+")]) for r in train} == {"train"}
+        assert {split_of([int(c) for c in _key(r)[:-1].split()]) for r in train} == {"train"}
     terms = [r["extra_info"]["terms"] for r in evals]
-    assert set(terms) == {2, 3, 4, 5} and min(terms.count(k) for k in (3, 4, 5)) >= 60  # stratified
+    assert set(terms) == {2, 3, 4, 5, 6} and min(terms.count(k) for k in (3, 4, 5, 6)) >= 45  # stratified
+
+
+def test_the_chain_by_hand():
+    assert problem([3, 5, 2, 7]) == "3 5 2 7=" and steps([3, 5, 2, 7]) == [3, 2, 0, 7]
+    assert written_solution([3, 5, 2, 7]) == " 2 0 7 Answer: 7"
+    assert compute_score(" Answer: 7", "7")["score"] == 1.0 and compute_score(" 2 0 7 Answer: 6", "7")["score"] == -1
 
 
 def test_both_styles_score_and_the_written_ones_fit_the_no_penalty_region_with_margin():
