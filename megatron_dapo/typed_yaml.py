@@ -23,6 +23,16 @@ class ConfigError(ValueError):
 # Building dataclasses from plain dicts, with type checks that name the key
 
 
+class BareWord(str):
+    """A bare word from the command line that YAML 1.1 reads as a bool (``off``, ``yes``, ``true``...): its text for a
+    string or a choice (``train.name=off``), its bool for a bool (``train.export_hf=off``)."""
+
+    def __new__(cls, text: str, flag: bool):
+        word = super().__new__(cls, text)
+        word.flag = flag
+        return word
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -40,6 +50,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
+    if isinstance(value, BareWord) and not (tp is str or (origin is Literal and str(value) in typing.get_args(tp))):
+        value = value.flag
     if origin is Literal:
         if isinstance(value, bool) and ("on" if value else "off") in typing.get_args(tp):
             value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a bool: `tis: on` means "on"
@@ -83,7 +95,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{source}: {key} = {value!r}: expected a string")
-        return value
+        return str(value)
     raise TypeError(f"unsupported config annotation {tp!r} for {key}")
 
 
@@ -118,6 +130,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"command line: {key}: cannot parse {raw!r}: {e}") from e
+    if isinstance(value, bool):  # off / yes / true...: the field's type decides (a name or a flag)
+        value = BareWord(raw.strip(), value)
     return key.strip(), value
 
 

@@ -209,3 +209,13 @@ def test_on_and_off_choices_take_yamls_bare_on_and_off():
     assert load_config("demo_cpu", ["algo.tis=off"]).algo.tis == "off"
     with pytest.raises(ConfigError, match=r"algo\.tis = 'yes': must be one of 'auto', 'on', 'off'"):
         load_config("demo_cpu", ["algo.tis='yes'"])
+
+
+def test_a_bare_boolean_word_is_text_for_a_string_and_a_flag_for_a_bool():
+    # `train.name=off` was refused as "train.name = False: expected a string" (YAML 1.1 reads off/yes/no as bools)
+    cfg = load_config("demo_cpu", ["train.name=off", "train.export_hf=off"])
+    assert cfg.train.name == "off" and type(cfg.train.name) is str and cfg.train.export_hf is False
+    assert load_config("demo_cpu", ["train.name=Yes"]).train.name == "Yes"
+    assert load_config("demo_cpu", ["train.export_hf=yes"]).train.export_hf is True
+    with pytest.raises(ConfigError, match=r"train\.steps = False: expected an integer"):
+        load_config("demo_cpu", ["train.steps=off"])
