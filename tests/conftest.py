@@ -47,12 +47,26 @@ def worker_scope(nodeid: str) -> str:
     return path
 
 
+# the order scopes are handed out in (longest first, so no long test is left for the end): the shared-fixture folders,
+# then the files that start whole trainers or torchruns, then the unit tests, many and short
+HAND_OUT_ORDER = ("sglang", "slurm", "e2e", "dist")
+
+
+def hand_out_rank(nodeid: str) -> int:
+    parts = nodeid.split("::", 1)[0].split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == TESTS.name else ""
+    return HAND_OUT_ORDER.index(folder) if folder in HAND_OUT_ORDER else len(HAND_OUT_ORDER)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` with :func:`worker_scope` as the scope (the largest scopes are handed out first)."""
+    """``--dist loadscope`` with :func:`worker_scope` as the scope, handed out in the collection's order (which
+    ``pytest_collection_modifyitems`` sorts by :func:`hand_out_rank`), not xdist's most-tests-first."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class FolderScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -73,3 +87,5 @@ def pytest_collection_modifyitems(session, config, items):
     if missing:
         names = ", ".join(str(p.relative_to(TESTS.parent)) for p in missing)
         raise pytest.UsageError(f"test files in the tree were not collected (norecursedirs / python_files?): {names}")
+    if hasattr(config, "workerinput"):  # an xdist worker: the collection order is the order work is handed out in
+        items.sort(key=lambda item: hand_out_rank(item.nodeid))

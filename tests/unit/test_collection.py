@@ -35,3 +35,8 @@ def test_xdist_keeps_each_shared_fixture_folder_on_one_worker():
     # elsewhere a file is the unit (its module-scoped fixtures built once), so two files may run side by side
     assert worker_scope("tests/unit/test_plan.py::test_d") == "tests/unit/test_plan.py"
     assert worker_scope("tests/e2e/test_learning.py::test_e") != worker_scope("tests/e2e/test_trainer.py::test_e")
+    # long scopes are handed out first, so no long test is left for the end of the run
+    from tests.conftest import hand_out_rank
+
+    ranks = [hand_out_rank(f"tests/{f}/test_x.py::t") for f in ("sglang", "slurm", "e2e", "dist", "unit")]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 5
