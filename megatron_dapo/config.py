@@ -175,7 +175,7 @@ class EvalConfig:
     top_p: float = 0.7
     max_new_tokens: int | None = None  # None = rollout.sampling.max_new_tokens
     greedy: bool = False  # one greedy sample instead of n samples
-    at_start: bool = False  # also evaluate the starting policy (step 0 of metrics.jsonl) when there is no warm start
+    at_start: bool = False  # also evaluate the starting policy: step 0 (base/eval/... there when a warm start follows)
 
 
 @dataclass

@@ -110,12 +110,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
+        self.start_eval = {}  # eval.at_start: the starting policy, before any warm start (step 0, as base/eval/...)
+        if self.start_step == 0 and cfg.eval.at_start:
+            self.rollout.sync_weights(self.actor, version=0)
+            self.start_eval = self.evaluate(0)
         if self.start_step == 0 and cfg.train.supervised_warmup_steps:
-            self.warm_start()
+            self.warm_start()  # logs step 0: where RL starts from, with the base model's eval as base/eval/...
+        elif self.start_eval:
+            self.log(0, self.start_eval)
         self.rollout.sync_weights(self.actor, version=self.start_step)
         self.schedule.weights_updated(self.start_step)
-        if self.start_step == 0 and cfg.eval.at_start and not cfg.train.supervised_warmup_steps:
-            self.log(0, self.evaluate(0))  # where RL starts from (a warm start logs its own step 0)
         last = {}
         steps = range(self.start_step + 1, cfg.train.steps + 1)
         started = time.monotonic()
@@ -215,7 +219,8 @@ class Trainer:
                 self.log(0, {**m, "sft/step": k, **{f"sft/{key}": v for key, v in acc.items()}}, persist=False)
                 if score >= t.supervised_stop_acc or out_of_time:
                     break
-        self.log(0, {"sft/steps": k, **acc})  # step 0 of metrics.jsonl: where RL starts from
+        base = {f"base/{key}": v for key, v in getattr(self, "start_eval", {}).items()}
+        self.log(0, {"sft/steps": k, **acc, **base})  # step 0 of metrics.jsonl: where RL starts from
         self.actor.reset_optimizer_state()
 
     # ------------------------------------------------------------------------------------------------------------------
