@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--samples", type=int, default=1, help="T=1 samples per prompt (0: greedy only)")
     ap.add_argument("--show", type=int, default=3)
+    ap.add_argument("--no-greedy", action="store_true", help="only the T=1 samples")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -40,7 +41,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     out = {"prompts": len(rows), "dtype": args.dtype, "max_new": args.max_new, "max_ops": args.max_ops}
     for mode, n in (("greedy", 1), ("t1", args.samples)):
-        if n == 0:
+        if n == 0 or (mode == "greedy" and args.no_greedy):
             continue
         t0, recs, new_tokens = time.perf_counter(), [], 0
         for i in range(0, len(rows), args.batch):
