@@ -22,9 +22,10 @@ from megatron_dapo.data.dataset import DataError
 
 
 def _train(args) -> int:
-    from megatron_dapo.runs import StopRequest
+    from megatron_dapo.runs import StopRequest, exit_on_terminate
 
     stop = StopRequest.from_env().install()  # first: a SIGUSR1 during the slow imports below must not kill the rank
+    exit_on_terminate()  # SIGTERM stops the servers this rank started instead of leaving them running
     from megatron_dapo.trainer import Trainer
 
     cfg = load_config(args.recipe, args.overrides)

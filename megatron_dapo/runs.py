@@ -63,6 +63,19 @@ def dir_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+def exit_on_terminate() -> None:
+    """SIGTERM / SIGHUP exit through Python (``SystemExit(128 + signum)``) instead of killing the process at once, so
+    ``finally`` blocks and atexit run: the SGLang servers this process started (each in its own process group, which
+    would outlive it) are stopped. torchrun's agent and Slurm's scancel stop ranks with SIGTERM before any SIGKILL."""
+
+    def on_terminate(signum, _frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second one kills at once
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_terminate)
+
+
 class StopRequest:
     """A graceful stop asked for by SIGUSR1 (to this process) or by the file named by ``$DAPO_STOP_FILE``.
 

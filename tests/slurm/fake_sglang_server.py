@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--load-s", type=float, default=0.0)
     ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME", "?"), help="default: the Slurm node")
     ap.add_argument("--config")
-    args = ap.parse_args()
+    args, _ = ap.parse_known_args()  # SGLang's own flags (--model-path ...) when started by SGLangServer
     node = args.node
     if args.config:  # what SGLang logs (srt/entrypoints/engine.py): the server_args, secrets in the clear
         import yaml

@@ -1,0 +1,52 @@
+"""SIGTERM to a process that started SGLang servers stops them (runs.exit_on_terminate, installed by ``dapo train``):
+a server runs in its own process group, so without the handler it outlives the trainer, reparented to init."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import REPO
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def start_and_terminate(tmp_path, *flags) -> tuple[int, int]:
+    """(the worker's exit code after SIGTERM, the stand-in server's pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.unit.terminate_worker", str(tmp_path), *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        server_pid = int(next(tmp_path.glob("server-*.pid")).read_text())
+        assert pid_alive(server_pid)
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(60), server_pid
+    finally:
+        proc.kill()
+
+
+def test_sigterm_stops_the_servers_the_process_started(tmp_path):
+    code, server_pid = start_and_terminate(tmp_path)
+    assert code == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while pid_alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(server_pid), "the server outlived the process that started it"
+
+
+def test_without_the_handler_the_server_would_outlive_it(tmp_path):
+    # the fault the handler exists for (so the test above can fail): default SIGTERM skips atexit
+    code, server_pid = start_and_terminate(tmp_path, "--no-handler")
+    try:
+        assert code == -signal.SIGTERM
+        time.sleep(1)
+        assert pid_alive(server_pid)
+    finally:
+        os.killpg(os.getpgid(server_pid), signal.SIGKILL) if pid_alive(server_pid) else None
