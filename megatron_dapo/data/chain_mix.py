@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from megatron_dapo.data.dataset import PromptDataset
+from megatron_dapo.data.synthetic import stratified_take
 
 DATA_SOURCE = "synthetic/chain_mix"
 DIRECT_SHARE = 0.5  # share of the warm start's rows answered directly
@@ -103,16 +104,8 @@ def held_out_rows(split: str, size: int, max_terms: int) -> list[dict]:
         raise ValueError(f"held-out split {split!r}: must be eval or dev")
     terms = list(range(2, max_terms + 1))
     pools = {k: _all_of(split, k, size) for k in terms}
-    quota, left = dict.fromkeys(terms, 0), size
-    while left > 0:  # round-robin over the number of terms while a pool has problems left
-        open_ = [k for k in terms if quota[k] < len(pools[k])]
-        if not open_:
-            raise ValueError(f"data.synthetic_eval_size = {size}: the {split} split has only {sum(quota.values())} "
-                             f"problems of 2-{max_terms} terms")  # fmt: skip
-        for k in open_[:left]:
-            quota[k] += 1
-            left -= 1
-    chosen = [d for k in terms for d in pools[k][: quota[k]]]
+    chosen = stratified_take(pools, size, f"data.synthetic_eval_size = {size}: the {split} split has only {{have}} "
+                                          f"problems of 2-{max_terms} terms")  # fmt: skip
     return [chain_mix_row(d, i, split, direct=False) for i, d in enumerate(chosen)]
 
 

@@ -116,3 +116,18 @@ def supervised_target_ids(tokenizer: Any, ground_truth: str, extra: dict | None 
     solution = ((extra or {}).get("extra_info") or {}).get("solution")
     ids = tokenizer.encode(solution or supervised_target_text(ground_truth), add_special_tokens=False)
     return [*ids, tokenizer.eos_token_id]
+
+
+def stratified_take(pools: dict, size: int, short: str) -> list:
+    """``size`` items taken round-robin over ``pools`` (one list per stratum: a number of terms, of steps) while a pool
+    has items left, as even as the pools allow, in stratum order; ``short`` (formatted with ``have``, the items the
+    pools hold) is the ValueError when they hold fewer than ``size``."""
+    quota, left = dict.fromkeys(pools, 0), size
+    while left > 0:
+        open_ = [k for k in pools if quota[k] < len(pools[k])]
+        if not open_:
+            raise ValueError(short.format(have=sum(quota.values())))
+        for k in open_[:left]:
+            quota[k] += 1
+            left -= 1
+    return [item for k in pools for item in pools[k][: quota[k]]]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from megatron_dapo.data.dataset import PromptDataset
-from megatron_dapo.data.synthetic import DAPO_TEMPLATE
+from megatron_dapo.data.synthetic import DAPO_TEMPLATE, stratified_take
 
 DATA_SOURCE = "synthetic/word_math"
 HELD_OUT_SEED = 20261201  # draws the eval problems: the same for every train.seed
@@ -113,17 +113,9 @@ def eval_rows(size: int, max_ops: int) -> list[dict]:
     problems are few); no seed in it."""
     _check_max_ops(max_ops)
     pools = {k: _eval_pool(k, size) for k in range(1, max_ops + 1)}
-    quota, left = dict.fromkeys(pools, 0), size
-    while left > 0:
-        open_ = [k for k in pools if quota[k] < len(pools[k])]
-        if not open_:
-            raise ValueError(f"data.synthetic_eval_size = {size}: the eval split has only {sum(quota.values())} "
-                             f"problems of <= {max_ops} steps; raise data.word_math_max_ops")  # fmt: skip
-        for k in open_[:left]:
-            quota[k] += 1
-            left -= 1
+    chosen = stratified_take(pools, size, f"data.synthetic_eval_size = {size}: the eval split has only {{have}} "
+                                          f"problems of <= {max_ops} steps; raise data.word_math_max_ops")  # fmt: skip
     rng = np.random.default_rng(HELD_OUT_SEED)  # the wording
-    chosen = [p for k in pools for p in pools[k][: quota[k]]]
     return [word_math_row(start, steps, i, "eval", rng) for i, (start, steps) in enumerate(chosen)]
 
 

@@ -155,3 +155,14 @@ def test_build_prompt_datasets_from_config(tmp_path: Path) -> None:
     assert len(evals[DATA_SOURCE]) == 12 and len(evals["rep"]) == 6  # de-duplicated to one item per problem
     expected_train, _ = add2_splits(50, 12, seed=4)
     assert [it.messages for it in train] == [r["prompt"] for r in expected_train]
+
+
+def test_stratified_take_is_even_while_the_pools_allow_and_names_the_shortfall():
+    from megatron_dapo.data.synthetic import stratified_take
+
+    pools = {2: ["a1", "a2"], 3: ["b1", "b2", "b3", "b4"], 4: ["c1", "c2", "c3", "c4"]}
+    # round-robin: the small pool gives all it has, the others share the rest evenly, in stratum order
+    assert stratified_take(pools, 8, "{have}") == ["a1", "a2", "b1", "b2", "b3", "c1", "c2", "c3"]
+    assert stratified_take(pools, 3, "{have}") == ["a1", "b1", "c1"]
+    with pytest.raises(ValueError, match="^only 10 here$"):
+        stratified_take(pools, 11, "only {have} here")
