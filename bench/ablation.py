@@ -4,8 +4,8 @@
     .venv/bin/python bench/ablation.py sweep --lrs 3e-5 1e-4 3e-4 1e-3 --steps 40        # the LR sweep (naive GRPO)
     .venv/bin/python bench/ablation.py probe --steps 8                                   # seconds per step, projection
 
-Task: ``recipes/chain_mix_cpu.yaml`` (``data/chain_mix.py``): chain sums of 2–5 digits answered directly (short, often
-wrong on long chains) or written out (longer, reliable, always inside L_max − L_cache). One supervised warm start,
+Task: ``recipes/chain_mix_cpu.yaml`` (``data/chain_mix.py``): chains of 2–6 digits folded as x = |x − d|, answered
+directly (short, often wrong on long chains) or written out step by step (longer, reliable, inside L_max − L_cache). One supervised warm start,
 selected on the dev split (``data.synthetic_eval_split=dev``), is shared by every rung and seed; it is measured first
 (``bench/ablation_toy.py``: lengths, accuracy per difficulty, group kinds → ``ablation-toy-<date>.md``). Each rung then
 trains ``--steps`` RL steps from it with ``--seeds`` seeds (the seeds vary RL's sampling and prompt order), the LR
