@@ -4,12 +4,12 @@ pytest silently skips folders matched by ``norecursedirs`` (its default list hol
 that do not match ``python_files``; a test folder dropped that way reports nothing, not even a skip. When a run
 collects a directory (``make test`` collects ``tests/``), each ``test_*.py`` below it must have been visited.
 
-``make test`` runs on two pytest-xdist workers (``-n 2 --dist loadscope``): about half of the suite's time is spent
-waiting (Slurm scheduling, servers starting, torchrun rendezvous), so a second worker uses the core the first leaves idle.
-The scheduler below keeps together what a fixture builds once: tests/sglang shares one SGLang server per session and
-tests/slurm one local Slurm, so each of those folders runs on one worker; any other file keeps its module-scoped
-fixtures on one worker. (xdist's own ``loadgroup`` cannot do it on pytest 9.2: its group suffix goes to
-``item._nodeid``, which pytest 9.2's ``Node.nodeid`` no longer reads, so every test lands in no group.)
+``make test PYTEST_WORKERS=N`` runs on N pytest-xdist workers (``-n N --dist loadscope``; 0, one process, is the
+default: on 2 cores the suite is CPU-bound and 2 workers gained nothing). The scheduler below keeps together what a
+fixture builds once: tests/sglang shares one SGLang server per session and tests/slurm one local Slurm, so each of
+those folders runs on one worker; any other file keeps its module-scoped fixtures on one worker. (xdist's own
+``loadgroup`` cannot do it on pytest 9.2: its group suffix goes to ``item._nodeid``, which pytest 9.2's
+``Node.nodeid`` no longer reads, so every test lands in no group.)
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def hand_out_rank(nodeid: str) -> int:
     return HAND_OUT_ORDER.index(folder) if folder in HAND_OUT_ORDER else len(HAND_OUT_ORDER)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a venv without pytest-xdist still collects
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadscope`` with :func:`worker_scope` as the scope, handed out in the collection's order (which
     ``pytest_collection_modifyitems`` sorts by :func:`hand_out_rank`), not xdist's most-tests-first."""
