@@ -6,16 +6,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from tests.helpers import REPO
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+from tests.slurm.conftest import process_running as pid_alive
 
 
 def start_and_terminate(tmp_path, *flags) -> tuple[int, int]:
