@@ -56,7 +56,8 @@ RUNGS = [  # (name, overrides on top of chain_mix_cpu = full DAPO)
     ("+ dynamic sampling (DAPO)", []),
 ]
 EVAL_KEY = "eval/synthetic/chain_mix/avg@4"
-TRAIN_KEYS = ("train/entropy", "train/response_len_mean", "train/truncated_frac", "train/ppo_kl")
+TRAIN_KEYS = ("train/entropy", "train/response_len_mean", "train/truncated_frac", "train/ppo_kl", "train/clip_frac_high",
+              "train/clip_frac_low")  # fmt: skip
 SEEDS = [1234 + 17 * k for k in range(16)]
 
 
@@ -113,7 +114,7 @@ def ladder(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ckpt = warm_start(work, args.jobs)
-    toy = ablation_toy.measure(ckpt, work / "toy", threads=args.jobs)
+    ablation_toy.measure(ckpt, work / "toy", threads=args.jobs)  # before any rung runs; report() reads its samples back
     seeds = SEEDS[: args.seeds]
     jobs = [(f"rung{k}-{s}", rl_args(o, s, ckpt, args.steps, args.lr, work, f"rung{k}-{s}"))
             for s in seeds for k, (_, o) in enumerate(RUNGS)]  # fmt: skip
@@ -123,8 +124,19 @@ def ladder(args) -> None:
                            f"train.supervised_warmup_steps={sft_steps}", "train.supervised_stop_acc=2.0",
                            f"train.run_dir={work}", f"train.name=sft-{s}"]) for s in seeds]  # fmt: skip
     run_all(jobs, work, args.jobs, t0)
-    s = summarize(work, seeds, toy)
-    s.update(seconds=time.monotonic() - t0, steps=args.steps, lr=args.lr, jobs=args.jobs, sft_steps=sft_steps)
+    settings = dict(seconds=time.monotonic() - t0, steps=args.steps, lr=args.lr, jobs=args.jobs, sft_steps=sft_steps,
+                    seeds=args.seeds)  # fmt: skip
+    (work / "ladder.json").write_text(json.dumps(settings))
+    report(argparse.Namespace(work=str(work), out=args.out, jobs=args.jobs))
+
+
+def report(args) -> None:
+    """The report (table, curves, toy) from a finished ladder's work directory, with the settings it ran with."""
+    work = Path(args.work)
+    settings = json.loads((work / "ladder.json").read_text())
+    toy = ablation_toy.measure(work / "warm" / "checkpoints" / "step_000000", work / "toy", threads=args.jobs)
+    s = summarize(work, SEEDS[: settings.pop("seeds")], toy)
+    s.update(settings)
     write(s, Path(args.out), work)
 
 
@@ -149,6 +161,9 @@ def summarize(work: Path, seeds: list[int], toy: dict) -> dict:
                 "eval": _curve(r, EVAL_KEY),
                 **{key.split("/")[1]: statistics.mean(x[key] for x in tail) for key in TRAIN_KEYS},
                 "ppo_kl_max": max(x["train/ppo_kl"] for x in steps),
+                # the share of tokens the upper / lower clip bound cut, over the whole run: clip-higher acts only there
+                "clip_high_run": statistics.mean(x["train/clip_frac_high"] for x in steps),
+                "clip_low_run": statistics.mean(x["train/clip_frac_low"] for x in steps),
                 "kept_rate": len(steps) * per_step / generated,
                 "dropped_all_correct": sum(x.get("train/dropped_all_correct", 0) for x in steps),
                 "dropped_all_wrong": sum(x.get("train/dropped_all_wrong", 0) for x in steps),
@@ -190,8 +205,9 @@ def write(s: dict, out_dir: Path, work: Path) -> None:
         f"{s['start']:.3f}. Toy at the warm start: [{toy}.md]({toy}.md).", "",
         "| rung | held-out avg@4 | vs rung below (Δ, seed spread) | mean of its evals | entropy | response length | "
         "truncated | "
-        "ppo_kl (max) | kept / generated | all-correct / all-wrong groups dropped | RL min per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ppo_kl (max) | clipped tokens, high / low | kept / generated | all-correct / all-wrong groups dropped | "
+        "RL min per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     comparisons = {}
     for i, name in enumerate(names):
@@ -208,20 +224,23 @@ def write(s: dict, out_dir: Path, work: Path) -> None:
         lines.append(
             f"| {name} | {_ms(finals)} | {cmp} | {_ms([r['mean_eval'] for r in runs])} | {_ms([r['entropy'] for r in runs])} | "
             f"{_ms([r['response_len_mean'] for r in runs], '.1f')} | {_ms([r['truncated_frac'] for r in runs])} | "
-            f"{statistics.mean(r['ppo_kl_max'] for r in runs):.1e} | {_ms([r['kept_rate'] for r in runs], '.2f')} | "
+            f"{statistics.mean(r['ppo_kl_max'] for r in runs):.1e} | "
+            f"{statistics.mean(r['clip_high_run'] for r in runs):.1e} / {statistics.mean(r['clip_low_run'] for r in runs):.1e} | "
+            f"{_ms([r['kept_rate'] for r in runs], '.2f')} | "
             f"{dropped} | {statistics.mean(r['seconds'] for r in runs) / 60:.1f} |"
         )
     top = [r["final"] for r in s["rungs"][names[-1]]]
     c = compare(top, s["sft"])
     lines += [
         f"| supervised only ({s['sft_steps']} steps × 128 = the sequences a rung trains on) | {_ms(s['sft'])} | "
-        f"vs DAPO {c['diff']:+.3f}, {c['spread']:.3f}: {'exceeds' if c['exceeds'] else 'within'} | | | | | | | | |",
+        f"vs DAPO {c['diff']:+.3f}, {c['spread']:.3f}: {'exceeds' if c['exceeds'] else 'within'} | | | | | | | | | |",
         "",
         "Entropy, length, truncation: means over each run's last 10 steps; ± is the std over seeds. \"vs rung below\": the "
         "difference of the means, the seeds' spread (pooled std of one run), and whether |Δ| exceeds it (> 2 SE: also "
         "more than twice the standard error of the difference). Mean of its evals: the held-out avg@4 averaged over "
         "the run's evaluations (every 20 steps), a measure of how fast a rung climbs. Dropped groups: per run, over all "
-        "its steps.",
+        "its steps. Clipped tokens: the share of tokens whose ratio the upper (1 + eps_high) or lower (1 − eps_low) bound "
+        "cut, averaged over the run.",
         "", f"![curves]({stem}.png)",
     ]  # fmt: skip
     text = "\n".join(lines) + "\n"
@@ -334,7 +353,7 @@ def probe(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", nargs="?", default="ladder", choices=("ladder", "sweep", "probe"))
+    ap.add_argument("what", nargs="?", default="ladder", choices=("ladder", "sweep", "probe", "report"))
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=100, help="RL steps per rung (sweep, probe: per run)")
     ap.add_argument("--lr", type=float, default=LADDER_LR)
@@ -347,7 +366,7 @@ def main() -> None:
         "--work", default=None, help="run directory (default: a new temporary one); its warm start is reused"
     )
     args = ap.parse_args()
-    {"ladder": ladder, "sweep": sweep, "probe": probe}[args.what](args)
+    {"ladder": ladder, "sweep": sweep, "probe": probe, "report": report}[args.what](args)
 
 
 if __name__ == "__main__":

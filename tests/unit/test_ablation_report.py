@@ -1,6 +1,7 @@
 """bench/ablation.py's summary, table and curves from runs' metrics (fake ones: the ladder itself takes most of an hour,
 so its last minute is checked here), and bench/ablation_toy.py's statistics of scored samples."""
 
+import argparse
 import json
 import sys
 
@@ -42,7 +43,8 @@ def test_summary_table_and_curves_from_metrics(tmp_path, monkeypatch):
             for step in range(1, 41):
                 row = {"step": step, "train/entropy": 0.3, "train/response_len_mean": 15.0 + k, "train/ppo_kl": 1e-3,
                        "train/truncated_frac": 0.01, "train/samples_generated": 256 * (2 if k == 5 else 1),
-                       "time/step_s": 1.5, "train/dropped_all_correct": 3 * (k == 5)}  # fmt: skip
+                       "time/step_s": 1.5, "train/dropped_all_correct": 3 * (k == 5),
+                       "train/clip_frac_high": 1e-3 * k, "train/clip_frac_low": 2e-3}  # fmt: skip
                 if step % 20 == 0:
                     row[ablation.EVAL_KEY] = 0.4 + 0.05 * k + 0.01 * i
                 lines.append(json.dumps(row))
@@ -53,13 +55,17 @@ def test_summary_table_and_curves_from_metrics(tmp_path, monkeypatch):
         (tmp_path / f"sft-{seed}" / "metrics.jsonl").write_text(json.dumps({"step": 0, ablation.EVAL_KEY: 0.5}) + "\n")
     toy = {"l_max": 40, "l_cache": 8, "group_size": 4}
     toy["train"] = toy["eval"] = ablation_toy.stats(_samples(), 40, 8)
-    s = ablation.summarize(tmp_path, seeds, toy)
-    s.update(seconds=60.0, steps=40, lr=1e-4, jobs=2, sft_steps=80)
-    ablation.write(s, tmp_path / "out", tmp_path)
+    # `ablation.py report --work DIR`: the ladder's settings from its ladder.json, the toy measured at its warm start
+    (tmp_path / "ladder.json").write_text(json.dumps({"seconds": 60.0, "steps": 40, "lr": 1e-4, "jobs": 2,
+                                                      "sft_steps": 80, "seeds": 3}))  # fmt: skip
+    monkeypatch.setattr(ablation_toy, "measure", lambda ckpt, work, threads: toy)
+    ablation.report(argparse.Namespace(work=str(tmp_path), out=str(tmp_path / "out"), jobs=2))
     (md,) = (tmp_path / "out").glob("ablation-2*.md")
     text = md.read_text()
     assert "| naive GRPO | 0.410 ± 0.010 |  | 0.410 ± 0.010 |" in text
     assert "| + overlong filtering | 0.460 ± 0.010 | +0.050, 0.010: exceeds (> 2 SE) |" in text
-    assert "| 0.50 ± 0.00 | 120 / 0 |" in text  # DAPO: half the generated samples kept; 40 steps x 3 dropped
+    assert (
+        "| 1.0e-03 | 5.0e-03 / 2.0e-03 | 0.50 ± 0.00 | 120 / 0 |" in text
+    )  # ppo_kl max, clipped high / low  # DAPO: half the generated samples kept; 40 steps x 3 dropped
     assert (tmp_path / "out" / md.name.replace(".md", ".png")).stat().st_size > 10_000
     assert (tmp_path / "out" / md.name.replace("ablation-", "ablation-toy-")).exists()
