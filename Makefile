@@ -118,7 +118,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 bench: $(VENV)/.installed-bench  ## benchmarks printing ratios measured in one run (bench_vs_trl needs TRL: [bench])
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-ablation: setup             ## the DAPO ablation ladder on the chain_mix toy (bench/ablation.py: 6 rungs + supervised x 5 seeds x 100 steps, ~45 min on 2 quiet cores)
+ablation: setup             ## the DAPO ablation ladder on the chain_mix toy (bench/ablation.py: 6 rungs + supervised x 5 seeds x 100 steps: 37 min on 2 cores, 2026-12-02)
 	$(BIN)/python bench/ablation.py
 
 clean:
