@@ -105,16 +105,24 @@ def test_sigusr1_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
     assert [r["step"] for r in metrics(run)] == list(range(1, 7))
 
 
-def test_fresh_start_over_an_existing_run_is_refused(tmp_path):
-    args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}", "train.name=r"]
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished 1-step run (its folder, its arguments), shared by the refusals below: none of them may change it."""
+    run_dir = tmp_path_factory.mktemp("one_step")
+    args = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={run_dir}", "train.name=r"]
     dapo(*args)
-    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    return run_dir, args
+
+
+def test_fresh_start_over_an_existing_run_is_refused(one_step_run):
+    run_dir, args = one_step_run
+    before = (run_dir / "r" / "metrics.jsonl").read_text()
     proc = dapo(*args, "--resume", "none", check=False)
     assert proc.returncode == 2
-    assert f"error: --resume none: {tmp_path}/r/checkpoints already holds checkpoints of run 'r' (up to step 1)" in (
+    assert f"error: --resume none: {run_dir}/r/checkpoints already holds checkpoints of run 'r' (up to step 1)" in (
         proc.stderr
     )
-    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before  # not truncated, not moved aside
+    assert (run_dir / "r" / "metrics.jsonl").read_text() == before  # not truncated, not moved aside
 
 
 def _arch(tmp_path: Path, name: str, **changes) -> Path:
@@ -161,12 +169,11 @@ def test_bad_input_is_named_before_compute(tmp_path):
     assert not list(tmp_path.rglob("dapo_meta.json"))
 
 
-def test_resume_checkpoint_of_another_model_is_named(tmp_path):
-    run = ["train", "--recipe", "demo_cpu", *BASE, "train.steps=1", f"train.run_dir={tmp_path}", "train.name=a"]
-    dapo(*run)
-    ckpt = tmp_path / "a" / "checkpoints" / "step_000001"
+def test_resume_checkpoint_of_another_model_is_named(one_step_run, tmp_path):
+    run_dir, args = one_step_run
+    ckpt = run_dir / "r" / "checkpoints" / "step_000001"
     wider = _arch(tmp_path, "tiny-wide", ffn_hidden_size=(512, 768))
-    proc = dapo(*run[:-1], "train.name=b", f"model.arch={wider}", "--resume", str(ckpt), check=False)
+    proc = dapo(*args[:-1], "train.name=b", f"model.arch={wider}", "--resume", str(ckpt), check=False)
     assert proc.returncode == 2
     assert _only_error_line(proc.stderr) == (
         f"error: {ckpt} (architecture tiny) vs model.arch = tiny-wide: ffn_hidden_size mismatch: model config has "

@@ -44,7 +44,9 @@ def model_dir(tmp_path_factory, initial_weights) -> Path:
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
     """The session's server; a test that kills it leaves it to the next ``engine`` fixture to restart."""
-    s = cpu_server(model_dir, tmp_path_factory.mktemp("sglang_logs") / "server.log")
+    # prefill in chunks of 8 tokens: tests/sglang/test_release_idle.py needs a prefill in chunks (the release rule's
+    # hard case) and shares this server rather than starting its own (~40 s on 2 cores); outputs are the same
+    s = cpu_server(model_dir, tmp_path_factory.mktemp("sglang_logs") / "server.log", "--chunked-prefill-size", "8")
     # started as under `dapo launch`, the key in the starting process's environment: test_security.py checks that its
     # value reaches no environment, command line or log of the server's processes
     with pytest.MonkeyPatch.context() as mp:

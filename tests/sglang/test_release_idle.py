@@ -20,20 +20,10 @@ import pytest
 
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.sglang_server import http_call
-from tests.sglang.helpers import cpu_server, make_engine
+from tests.sglang.helpers import make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPT = [1 + i % 30 for i in range(480)]  # 60 chunks of 8 tokens (the tiny model's positions: 512)
-
-
-@pytest.fixture(scope="module")
-def chunked_server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("chunked") / "server.log"
-    s = cpu_server(model_dir, log, "--chunked-prefill-size", "8", "--mem-fraction-static", "0.1")
-    s.start()
-    s.wait_healthy(600)
-    yield s
-    s.stop()
 
 
 def loads_idle_while_prefilling(server, worker, timeout_s: float = 30.0) -> dict | None:
@@ -48,21 +38,24 @@ def loads_idle_while_prefilling(server, worker, timeout_s: float = 30.0) -> dict
     return None
 
 
-def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(chunked_server):
-    engine = make_engine(chunked_server)
-    since = len(chunked_server.log_path.read_text(errors="replace"))
+def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(server):
+    """On the session's server (tests/sglang/conftest.py), which prefills in chunks of 8 tokens."""
+    if not server.healthy():
+        server.restart(300)
+    engine = make_engine(server)
+    since = len(server.log_path.read_text(errors="replace"))
     out: list = []
     worker = threading.Thread(target=lambda: out.extend(engine.generate([PROMPT], SamplingParams(max_new_tokens=1))))
     worker.start()
-    window = loads_idle_while_prefilling(chunked_server, worker)
+    window = loads_idle_while_prefilling(server, worker)
     assert window is not None, "the chunked prefill was never seen: nothing tested"
     engine.sleep()  # before the fix: the assert in SGLang's scheduler, SIGQUIT, a dead server
-    assert chunked_server.healthy(), chunked_server.log_path.read_text(errors="replace")[-3000:]
+    assert server.healthy(), server.log_path.read_text(errors="replace")[-3000:]
     worker.join(120)
     assert [s.finish_reason for s in out] == ["length"]  # the prefill finished, then the release
-    log = chunked_server.log_path.read_text(errors="replace")[since:]
+    log = server.log_path.read_text(errors="replace")[since:]
     assert "should be called only when server is idle" not in log
-    assert log.index('/flush_cache?timeout=') < log.index('"POST /release_memory_occupation HTTP/1.1" 200')
+    assert log.index("/flush_cache?timeout=") < log.index('"POST /release_memory_occupation HTTP/1.1" 200')
     engine.wake()
     again = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     assert again[0].finish_reason == "length" and engine.released() == []

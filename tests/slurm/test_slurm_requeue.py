@@ -2,8 +2,9 @@
 
 1. Slurm's own time-limit signal (``--signal=B:USR1@110`` on a 2-minute job: due at once) reaches the trainer through
    slurm/common.sh and the driver; the job requeues and its next allocation continues (a stand-in trainer).
-2. The real tiny training: the same signal mid-run (sent with ``scancel --batch``, as slurmctld sends it at the time
-   limit, but at a moment the test chooses); the two allocations' metrics equal an uninterrupted run's, step for step.
+2. The real tiny training with partial rollout: the same signal mid-run (sent with ``scancel --batch``, as slurmctld
+   sends it at the time limit, but at a moment the test chooses); the checkpoint carries the surplus groups, the next
+   allocation continues them, and the two allocations' metrics equal an uninterrupted run's, step for step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ pytestmark = pytest.mark.slurm
 # The demo recipe made small (as tests/e2e): no warm start, no dynamic sampling, 8 groups of 4 per step.
 SMALL = ["parallel.tp=1", "train.batch_prompts=8", "train.mini_batch_prompts=4", "algo.gen_batch_prompts=8",
          "algo.group_size=4", "data.synthetic_train_size=400", "data.synthetic_eval_size=16", "eval.interval=4"]  # fmt: skip
-HISTORY = ("train/", "eval/")  # what must not depend on where the run was cut (time/* does)
+# partial rollout: 12 prompts a round for 8 kept groups, the 4 after the cut carried into the next step (and across
+# the requeue, in the checkpoint)
+PARTIAL = ["rollout.partial=true", "algo.gen_batch_prompts=12"]
+HISTORY = ("train/", "eval/", "rollout/")  # what must not depend on where the run was cut (time/* does)
 
 
 def submit(local_slurm, tmp_path: Path, *args: str) -> str:
@@ -76,10 +80,11 @@ def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_interrupted_job_equals_uninterrupted_run(local_slurm, tmp_path):
-    """slurm/dapo_tiny_cpu.sbatch, 16 steps: SIGUSR1 to the batch shell after step 1 -> the trainer saves after its
-    current step, the job requeues, the next allocation resumes; metrics.jsonl then equals (train/, eval/) an
-    uninterrupted `dapo train` with the same seed and settings, step for step, each step once."""
-    steps = ["train.steps=16", *SMALL]  # ~0.3 s each: the signal (~1 s to reach the trainer) lands mid-run
+    """slurm/dapo_tiny_cpu.sbatch, 16 steps with partial rollout: SIGUSR1 to the batch shell after step 1 -> the
+    trainer saves after its current step (carried groups in the checkpoint), the job requeues, the next allocation
+    resumes them; metrics.jsonl then equals (train/, eval/, rollout/) an uninterrupted `dapo train` with the same seed
+    and settings, step for step, each step once: the same prompts trained, the same groups carried."""
+    steps = ["train.steps=16", *SMALL, *PARTIAL]  # ~0.3 s each: the signal (~1 s to reach the trainer) lands mid-run
     ref_err = open(tmp_path / "ref.err", "w")  # noqa: SIM115 (closed below; a pipe could fill and block the run)
     # the overrides slurm/dapo_tiny_cpu.sbatch passes, then the test's (later ones win)
     script_args = ["--recipe", "demo_cpu", "parallel.tp=2", "train.steps=2", "train.save_interval=0",
@@ -113,6 +118,8 @@ def test_interrupted_job_equals_uninterrupted_run(local_slurm, tmp_path):
         keys = [k for k in theirs if k.startswith(HISTORY)]
         assert len(keys) > 10 and {k: mine.get(k) for k in keys} == {k: theirs[k] for k in keys}, mine["step"]
     assert any(k.startswith("eval/") for k in rows[-1])  # an eval after the resume is compared too
+    # the resumed allocation's first step continued groups the checkpoint carried (not fresh prompts in their place)
+    assert rows[stopped_at - 1]["rollout/carried_groups"] > 0 and rows[stopped_at]["rollout/carried_groups"] > 0
 
 
 def _tail(path: Path) -> str:
