@@ -56,8 +56,7 @@ RUNGS = [  # (name, overrides on top of chain_mix_cpu = full DAPO)
     ("+ dynamic sampling (DAPO)", []),
 ]
 EVAL_KEY = "eval/synthetic/chain_mix/avg@4"
-TRAIN_KEYS = ("train/entropy", "train/response_len_mean", "train/truncated_frac", "train/ppo_kl", "train/clip_frac_high",
-              "train/clip_frac_low")  # fmt: skip
+TRAIN_KEYS = ("train/entropy", "train/response_len_mean", "train/truncated_frac", "train/ppo_kl")
 SEEDS = [1234 + 17 * k for k in range(16)]
 
 
