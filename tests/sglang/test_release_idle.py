@@ -20,7 +20,6 @@ import pytest
 
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.sglang_server import http_call
-from tests.sglang.helpers import make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPT = [1 + i % 30 for i in range(480)]  # 60 chunks of 8 tokens (the tiny model's positions: 512)
@@ -38,11 +37,8 @@ def loads_idle_while_prefilling(server, worker, timeout_s: float = 30.0) -> dict
     return None
 
 
-def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(server):
+def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(engine, server):
     """On the session's server (tests/sglang/conftest.py), which prefills in chunks of 8 tokens."""
-    if not server.healthy():
-        server.restart(300)
-    engine = make_engine(server)
     since = len(server.log_path.read_text(errors="replace"))
     out: list = []
     worker = threading.Thread(target=lambda: out.extend(engine.generate([PROMPT], SamplingParams(max_new_tokens=1))))
@@ -59,4 +55,3 @@ def test_release_during_a_chunked_prefill_waits_instead_of_killing_the_server(se
     engine.wake()
     again = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     assert again[0].finish_reason == "length" and engine.released() == []
-    engine.shutdown(stop_servers=False)

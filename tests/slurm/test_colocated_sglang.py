@@ -2,11 +2,11 @@
 
 `dapo launch` starts one SGLang server per node (one CPU "GPU" per node, rollout TP 1: two per node would double the
 start-up on a 2-core CI machine) and 2 x 2 trainer ranks (TP 2 inside each node, DP 2 across the nodes). Observed at
-the servers' own logs over 2 DAPO steps (the step's pattern twice): per step generate -> release -> resume -> sync, and each engine is updated
-by the posting rank of its own node only (rank 0 on n1, rank 2 on n2), both exporting the whole model through their
-TP group: read from each server's access log, where every weight-sync request names its sender
-(``?poster=rank<RANK>.<node>``, from the posting process's own RANK and SLURMD_NODENAME), not from the trainer's
-report of its routes. (That rank 0 waits out a rollout longer than the default group's collective timeout on the control plane is
+the servers' own logs over 2 DAPO steps (the step's pattern twice): per step generate -> release -> resume -> sync,
+and each engine is updated by the posting rank of its own node only (rank 0 on n1, rank 2 on n2), both exporting the
+whole model through their TP group: read from each server's access log, where every weight-sync request names its
+sender (``?poster=rank<RANK>.<node>``, from the posting process's own RANK and SLURMD_NODENAME), not from the
+trainer's report of its routes. (That rank 0 waits out a rollout longer than the default group's collective timeout on the control plane is
 shown by tests/dist/test_control_plane.py.)
 """
 
