@@ -239,7 +239,24 @@ def _init_wandb(run_dir: Path, project: str, config: dict | None, resume: bool):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Timing
+# Timing and memory
+
+
+def memory_metrics() -> dict[str, float]:
+    """``mem/rss_peak_gib``: this process's peak resident memory so far (the actor's rank); ``mem/children_rss_gib``:
+    what its child processes hold now (the rollout servers it started, with their workers), in GiB."""
+    import resource
+
+    import psutil
+
+    children = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            children += child.memory_info().rss
+        except psutil.Error:  # exited meanwhile
+            pass
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"mem/rss_peak_gib": peak_kib / 2**20, "mem/children_rss_gib": children / 2**30}
 
 
 class Timer:

@@ -72,6 +72,7 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Grad norm", "L2 norm (before clipping)", r"train/(grad_norm)", logy=True),
     PanelSpec("Learning rate", "lr", r"train/(lr)", smooth=False),
     PanelSpec("Timings per step", "seconds", r"time/(.+)_s", smooth=False),
+    PanelSpec("Memory (rank 0)", "GiB", r"mem/(rss_peak|children_rss)_gib", smooth=False),
 )
 
 

@@ -27,7 +27,7 @@ from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.evaluate import run_eval
-from megatron_dapo.metrics import MetricsLogger, Timer
+from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
 from megatron_dapo.reward.registry import RewardScorer
 from megatron_dapo.rollout.driver import (  # noqa: F401  (DriverError: this module's API since it began)
     DriverError,
@@ -157,6 +157,7 @@ class Trainer:
             metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
             metrics.update(getattr(self.phases, "timings", {}))
+            metrics.update(memory_metrics())  # rank 0's (only the driver logs)
             last = self.log(step, metrics)
             if final or self._stop_after(step, saved):
                 break

@@ -308,3 +308,27 @@ def test_pass_at_k_agrees_with_eval_metrics_at_k_equals_n():
     got = eval_metrics(records)
     assert got["eval/s/pass@8"] == pytest.approx(np.mean([pass_at_k(8, c, 8) for c in per_problem]))
     assert got["eval/s/avg@8"] == pytest.approx(np.mean([pass_at_k(8, c, 1) for c in per_problem]))
+
+
+def test_memory_metrics_see_this_process_and_a_child_holding_memory():
+    """``mem/rss_peak_gib`` is this process's peak (it grows past a buffer we touch); ``mem/children_rss_gib`` counts
+    a child process by what it holds (a child touching 300 MiB)."""
+    import subprocess
+    import sys
+
+    from megatron_dapo.metrics import memory_metrics
+
+    before = memory_metrics()
+    buf = bytearray(200 * 2**20)  # zero-filled: resident
+    after = memory_metrics()
+    assert after["mem/rss_peak_gib"] >= before["mem/rss_peak_gib"] + 0.15
+    del buf
+    code = "import sys, time; b = bytearray(300 * 2**20); print('ok', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ok"
+        held = memory_metrics()["mem/children_rss_gib"]
+        assert 0.29 <= held - before["mem/children_rss_gib"] < 1.0, held
+    finally:
+        child.kill()
+        child.wait()

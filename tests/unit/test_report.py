@@ -26,6 +26,7 @@ GROUPS = {
     "Grad norm": ["train/grad_norm"],
     "Learning rate": ["train/lr"],
     "Timings": ["time/step_s", "time/rollout_s", "time/train_s", "time/sync_s"],
+    "Memory": ["mem/rss_peak_gib", "mem/children_rss_gib"],
 }
 
 
@@ -53,6 +54,8 @@ def synthetic_metrics(steps: int = 80, eval_every: int = 10, seed: int = 0) -> l
             "time/rollout_s": 60 + rng.random() * 10,
             "time/train_s": 40 + rng.random() * 5,
             "time/sync_s": 3 + rng.random(),
+            "mem/rss_peak_gib": 7.0 + t,
+            "mem/children_rss_gib": 2.5,
         }
         m["time/step_s"] = m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"] + 1.0
         if s % eval_every == 0 or s == 1:
