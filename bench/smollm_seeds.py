@@ -1,0 +1,153 @@
+"""`make demo-smollm` (recipe smollm2_math_cpu) once per seed, then what the seeds show: held-out accuracy of the base
+model, after the format warm start (where DAPO starts) and at each eval, DAPO's gain against the seeds' spread, wall
+time, samples/s, memory and the rollout/actor logprob gap.
+
+    .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~10 min per seed, 2 cores
+    .venv/bin/python bench/smollm_seeds.py report [--seeds ...] [--runs runs] [--out bench/results]
+
+``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, 30 steps, save)
+with GNU time and keeps its output as ``<runs>/smollm_s<seed>.time.log``; ``report`` reads those logs and each run's
+metrics.jsonl and writes ``smollm-<date>.md`` / ``.json`` / ``.png`` (the held-out curve of every seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from megatron_dapo.metrics import read_metrics  # noqa: E402
+
+TASK = "synthetic/word_math"
+ACC, FORMAT = f"eval/{TASK}/avg@1", f"eval/{TASK}/format@1"
+
+
+def run_name(seed: int) -> str:
+    return f"smollm_s{seed}"
+
+
+def run_seeds(seeds: list[int], runs: Path) -> None:
+    for seed in seeds:
+        log = runs / f"{run_name(seed)}.time.log"
+        args = f"DEMO_ARGS=train.name={run_name(seed)} train.seed={seed} train.run_dir={runs}"
+        print(f"seed {seed}: make demo-smollm (log: {log})", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(["/usr/bin/time", "-v", "make", "demo-smollm", args], cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT).returncode  # fmt: skip
+        if rc:
+            sys.exit(f"seed {seed}: make demo-smollm exited {rc}; see {log}")
+
+
+def gnu_time(log: Path) -> dict:
+    """Wall seconds and the largest process's peak RSS (GiB) from ``/usr/bin/time -v`` output."""
+    text = log.read_text()
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
+    secs = sum(float(p) * 60**i for i, p in enumerate(reversed(wall.split(":"))))
+    rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    return {"wall_s": secs, "max_rss_gib": rss_kib / 2**20}
+
+
+def summarize_seed(run: Path, log: Path) -> dict:
+    rows = read_metrics(run)
+    group_size = yaml.safe_load((run / "config.yaml").read_text())["algo"]["group_size"]
+    start = next(r for r in rows if r["step"] == 0)
+    steps = [r for r in rows if r["step"] >= 1]
+    rl_s = sum(r["time/step_s"] for r in steps)
+    out = {
+        "base_acc": start[f"base/{ACC}"], "base_format": start[f"base/{FORMAT}"],
+        "warm_steps": start.get("sft/steps", 0.0), "start_acc": start[ACC],
+        "curve": [(r["step"], r[ACC]) for r in rows if ACC in r],
+        "final_acc": steps[-1][ACC], "steps": steps[-1]["step"],
+        "rl_s": rl_s, "step_s": rl_s / len(steps),
+        "samples_generated": steps[-1]["train/samples_generated_total"],
+        "trained_samples": sum(r["train/kept_groups"] for r in steps) * group_size,
+        "logp_gap_mean": statistics.mean(r["train/logp_gap_mean"] for r in steps),
+        "logp_gap_max": max(r["train/logp_gap_max"] for r in steps),
+        "server_rss_gib": max((r.get("mem/children_rss_gib", float("nan")) for r in steps), default=float("nan")),
+        **gnu_time(log),
+    }  # fmt: skip
+    out["gain"] = out["final_acc"] - out["start_acc"]
+    out["samples_per_s"] = out["samples_generated"] / rl_s
+    return out
+
+
+def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
+    per = {s: summarize_seed(runs / run_name(s), runs / f"{run_name(s)}.time.log") for s in seeds}
+    finals, gains = [p["final_acc"] for p in per.values()], [p["gain"] for p in per.values()]
+    spread = max(finals) - min(finals)
+    verdict = "exceeds" if statistics.mean(gains) > spread and min(gains) > 0 else "does not exceed"
+    lines = [
+        f"# SmolLM2-135M-Instruct under DAPO on CPU ({datetime.date.today()})", "",
+        "`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; 128 held-out word problems, "
+        "greedy, scored by the DAPO rule (the same problems for every seed).", "",
+        "| seed | base acc (format) | warm-start steps | DAPO starts at | step 10 | step 20 | final | gain | wall | RL s/step "
+        "| samples/s | logp gap mean / max | peak RSS actor / server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for s, p in per.items():
+        curve = dict(p["curve"])
+        lines.append(
+            f"| {s} | {p['base_acc']:.3f} ({p['base_format']:.3f}) | {p['warm_steps']:.0f} | {p['start_acc']:.3f} | "
+            f"{curve.get(10, float('nan')):.3f} | {curve.get(20, float('nan')):.3f} | {p['final_acc']:.3f} | "
+            f"{p['gain']:+.3f} | {p['wall_s'] / 60:.1f} min | {p['step_s']:.1f} | {p['samples_per_s']:.1f} | "
+            f"{p['logp_gap_mean']:.4f} / {p['logp_gap_max']:.2f} | {p['max_rss_gib']:.1f} / "
+            f"{p['server_rss_gib']:.1f} GiB |"
+        )
+    mean_gain, sd_gain = statistics.mean(gains), statistics.stdev(gains) if len(gains) > 1 else 0.0
+    lines += [
+        "", f"DAPO's gain over the warm start: **{mean_gain:+.3f} ± {sd_gain:.3f}** (mean ± sd of {len(seeds)} seeds); "
+        f"final accuracy {statistics.mean(finals):.3f}, spread (max − min) over the seeds **{spread:.3f}**: the gain "
+        f"{verdict} the spread. One held-out problem is {1 / 128:.4f}.",
+    ]  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"smollm-{datetime.date.today()}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"seeds": per, "spread": spread, "mean_gain": mean_gain}, indent=1))
+    plot(per, stem.with_suffix(".png"))
+    print("\n".join(lines))
+    return stem.with_suffix(".md")
+
+
+def plot(per: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for seed, p in per.items():
+        xs, ys = zip(*p["curve"])
+        ax.plot(xs, ys, marker="o", label=f"seed {seed}")
+        ax.scatter([-3], [p["base_acc"]], color=ax.lines[-1].get_color(), marker="x")
+    ax.set_xlabel("DAPO step (x at -3: the base model, before the format warm start)")
+    ax.set_ylabel("held-out accuracy (greedy, 128)")
+    ax.set_title("SmolLM2-135M-Instruct, word_math, DAPO on CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["run", "report"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
+    ap.add_argument("--runs", type=Path, default=REPO / "runs")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args()
+    if args.command == "run":
+        run_seeds(args.seeds, args.runs)
+    report(args.seeds, args.runs, args.out)
+
+
+if __name__ == "__main__":
+    main()
