@@ -35,9 +35,13 @@ def run_name(seed: int) -> str:
     return f"smollm_s{seed}"
 
 
+def time_log(runs: Path, seed: int) -> Path:
+    return runs / f"{run_name(seed)}.time.log"
+
+
 def run_seeds(seeds: list[int], runs: Path) -> None:
     for seed in seeds:
-        log = runs / f"{run_name(seed)}.time.log"
+        log = time_log(runs, seed)
         args = f"DEMO_ARGS=train.name={run_name(seed)} train.seed={seed} train.run_dir={runs}"
         print(f"seed {seed}: make demo-smollm (log: {log})", flush=True)
         with open(log, "w") as f:
@@ -81,7 +85,7 @@ def summarize_seed(run: Path, log: Path) -> dict:
 
 
 def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
-    per = {s: summarize_seed(runs / run_name(s), runs / f"{run_name(s)}.time.log") for s in seeds}
+    per = {s: summarize_seed(runs / run_name(s), time_log(runs, s)) for s in seeds}
     finals, gains = [p["final_acc"] for p in per.values()], [p["gain"] for p in per.values()]
     spread = max(finals) - min(finals)
     verdict = "exceeds" if statistics.mean(gains) > spread and min(gains) > 0 else "does not exceed"

@@ -157,7 +157,8 @@ class Trainer:
             metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
             metrics.update(getattr(self.phases, "timings", {}))
-            metrics.update(memory_metrics())  # rank 0's (only the driver logs)
+            if is_driver():  # only the driver logs: the other ranks skip walking their process tree
+                metrics.update(memory_metrics())
             last = self.log(step, metrics)
             if final or self._stop_after(step, saved):
                 break
