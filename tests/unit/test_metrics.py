@@ -313,17 +313,22 @@ def test_pass_at_k_agrees_with_eval_metrics_at_k_equals_n():
 def test_memory_metrics_see_this_process_and_a_child_holding_memory():
     """``mem/rss_peak_gib`` is this process's peak (it grows past a buffer we touch); ``mem/children_rss_gib`` counts
     a child process by what it holds (a child touching 300 MiB)."""
-    import subprocess
-    import sys
-
     from megatron_dapo.metrics import memory_metrics
 
+    # The peak is a high-water mark, and Linux carries it across fork+exec (a child starts with pytest's peak), so
+    # the child writes enough to pass the peak it inherited: its current RSS + that gap + 200 MiB (written pages, not
+    # calloc'd zeros, so they are resident). Its peak must then exceed its current RSS before the buffer by ~200 MiB.
+    peak = (
+        "import json, psutil; from megatron_dapo.metrics import memory_metrics as m;"
+        " start = m()['mem/rss_peak_gib']; now = psutil.Process().memory_info().rss / 2**30;"
+        " buf = b'1' * int((start - now) * 2**30 + 200 * 2**20);"
+        " print(json.dumps([start, now, m()['mem/rss_peak_gib']]))"
+    )
+    out = subprocess.run([sys.executable, "-c", peak], capture_output=True, text=True, check=True).stdout
+    start, now, grown = json.loads(out.strip().splitlines()[-1])
+    assert grown >= start + 0.15, (start, now, grown)
     before = memory_metrics()
-    buf = bytearray(200 * 2**20)  # zero-filled: resident
-    after = memory_metrics()
-    assert after["mem/rss_peak_gib"] >= before["mem/rss_peak_gib"] + 0.15
-    del buf
-    code = "import sys, time; b = bytearray(300 * 2**20); print('ok', flush=True); time.sleep(60)"
+    code = "import time; b = b'1' * (300 * 2**20); print('ok', flush=True); time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ok"
