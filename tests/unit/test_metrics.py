@@ -317,7 +317,7 @@ def test_memory_metrics_see_this_process_and_a_child_holding_memory():
 
     # The peak is a high-water mark, and Linux carries it across fork+exec (a child starts with pytest's peak), so
     # the child writes enough to pass the peak it inherited: its current RSS + that gap + 200 MiB (written pages, not
-    # calloc'd zeros, so they are resident). Its peak must then exceed its current RSS before the buffer by ~200 MiB.
+    # calloc'd zeros, so they are resident). Its peak must then pass the inherited one by ~200 MiB.
     peak = (
         "import json, psutil; from megatron_dapo.metrics import memory_metrics as m;"
         " start = m()['mem/rss_peak_gib']; now = psutil.Process().memory_info().rss / 2**30;"
