@@ -2,10 +2,10 @@
 model, after the format warm start (where DAPO starts) and at each eval, DAPO's gain against the seeds' spread, wall
 time, samples/s, memory and the rollout/actor logprob gap.
 
-    .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~10 min per seed, 2 cores
+    .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~18 min per seed, 2 cores
     .venv/bin/python bench/smollm_seeds.py report [--seeds ...] [--runs runs] [--out bench/results]
 
-``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, 30 steps, save)
+``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, the recipe's steps, save)
 with GNU time and keeps its output as ``<runs>/smollm_s<seed>.time.log``; ``report`` reads those logs and each run's
 metrics.jsonl and writes ``smollm-<date>.md`` / ``.json`` / ``.png`` (the held-out curve of every seed).
 """
@@ -70,7 +70,7 @@ def summarize_seed(run: Path, log: Path) -> dict:
         "base_acc": start[f"base/{ACC}"], "base_format": start[f"base/{FORMAT}"],
         "warm_steps": start.get("sft/steps", 0.0), "start_acc": start[ACC],
         "curve": [(r["step"], r[ACC]) for r in rows if ACC in r],
-        "final_acc": steps[-1][ACC], "steps": steps[-1]["step"],
+        "final_acc": steps[-1][ACC], "steps": steps[-1]["step"], "held_out": int(start[f"eval/{TASK}/problems"]),
         "rl_s": rl_s, "step_s": rl_s / len(steps),
         "samples_generated": steps[-1]["train/samples_generated_total"],
         "trained_samples": sum(r["train/kept_groups"] for r in steps) * group_size,
@@ -88,20 +88,23 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
     per = {s: summarize_seed(runs / run_name(s), time_log(runs, s)) for s in seeds}
     finals, gains = [p["final_acc"] for p in per.values()], [p["gain"] for p in per.values()]
     spread = max(finals) - min(finals)
+    held_out = {p["held_out"] for p in per.values()}
+    assert len(held_out) == 1, f"the seeds evaluated different held-out sets: {held_out}"
+    n = held_out.pop()
     verdict = "exceeds" if statistics.mean(gains) > spread and min(gains) > 0 else "does not exceed"
     lines = [
         f"# SmolLM2-135M-Instruct under DAPO on CPU ({datetime.date.today()})", "",
-        "`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; 128 held-out word problems, "
+        "`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; {n} held-out word problems, "
         "greedy, scored by the DAPO rule (the same problems for every seed).", "",
-        "| seed | base acc (format) | warm-start steps | DAPO starts at | step 10 | step 20 | final | gain | wall | RL s/step "
-        "| samples/s | logp gap mean / max | peak RSS actor / server |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | base acc (format) | warm-start steps | DAPO starts at | every eval after it | final | gain | wall "
+        "| RL s/step | samples/s | logp gap mean / max | peak RSS actor / server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for s, p in per.items():
-        curve = dict(p["curve"])
+        curve = " / ".join(f"{acc:.3f}" for step, acc in p["curve"] if 0 < step < p["steps"])
         lines.append(
             f"| {s} | {p['base_acc']:.3f} ({p['base_format']:.3f}) | {p['warm_steps']:.0f} | {p['start_acc']:.3f} | "
-            f"{curve.get(10, float('nan')):.3f} | {curve.get(20, float('nan')):.3f} | {p['final_acc']:.3f} | "
+            f"{curve} | {p['final_acc']:.3f} | "
             f"{p['gain']:+.3f} | {p['wall_s'] / 60:.1f} min | {p['step_s']:.1f} | {p['samples_per_s']:.1f} | "
             f"{p['logp_gap_mean']:.4f} / {p['logp_gap_max']:.2f} | {p['max_rss_gib']:.1f} / "
             f"{p['server_rss_gib']:.1f} GiB |"
@@ -110,18 +113,19 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
     lines += [
         "", f"DAPO's gain over the warm start: **{mean_gain:+.3f} ± {sd_gain:.3f}** (mean ± sd of {len(seeds)} seeds); "
         f"final accuracy {statistics.mean(finals):.3f}, spread (max − min) over the seeds **{spread:.3f}**: the gain "
-        f"{verdict} the spread. One held-out problem is {1 / 128:.4f}.",
+        f"{verdict} the spread. One held-out problem is {1 / n:.4f}; one greedy eval's sampling sd at this accuracy "
+        f"is {(statistics.mean(finals) * (1 - statistics.mean(finals)) / n) ** 0.5:.3f}.",
     ]  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"smollm-{datetime.date.today()}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"seeds": per, "spread": spread, "mean_gain": mean_gain}, indent=1))
-    plot(per, stem.with_suffix(".png"))
+    plot(per, stem.with_suffix(".png"), n)
     print("\n".join(lines))
     return stem.with_suffix(".md")
 
 
-def plot(per: dict, path: Path) -> None:
+def plot(per: dict, path: Path, held_out: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +137,7 @@ def plot(per: dict, path: Path) -> None:
         ax.plot(xs, ys, marker="o", label=f"seed {seed}")
         ax.scatter([-3], [p["base_acc"]], color=ax.lines[-1].get_color(), marker="x")
     ax.set_xlabel("DAPO step (x at -3: the base model, before the format warm start)")
-    ax.set_ylabel("held-out accuracy (greedy, 128)")
+    ax.set_ylabel(f"held-out accuracy (greedy, {held_out})")
     ax.set_title("SmolLM2-135M-Instruct, word_math, DAPO on CPU")
     ax.grid(alpha=0.3)
     ax.legend()

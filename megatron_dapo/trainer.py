@@ -160,8 +160,8 @@ class Trainer:
             if is_driver():  # only the driver logs: the other ranks skip walking their process tree
                 metrics.update(memory_metrics())
             last = self.log(step, metrics)
-            if final or self._stop_after(step, saved):
-                break
+            if step < cfg.train.steps and (final or self._stop_after(step, saved)):
+                break  # the last step ends the loop itself, so the progress bar says 100%
         if cfg.train.steps == 0 and self.start_step == 0:  # a run of no RL steps keeps what it has (the warm start)
             self.save(0)
         if cfg.train.export_hf and self.start_step < cfg.train.steps and not self.stopped_early:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,7 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
     assert f"resuming from {run / 'checkpoints' / 'step_000002'} (step 2)" in out, out[-2000:]
     printed = [json.loads(line)["step"] for line in out.splitlines() if line.startswith('{"step"')]
     assert printed == [3], f"the resumed process ran steps {printed}"
+    assert re.search(r"DAPO steps .* 100%", out), out[-2000:]  # the bar ends full (it stopped one short before)
     after = (run / "metrics.jsonl").read_text().splitlines()
     assert after[: len(before)] == before, "the resumed run rewrote the killed run's metrics"
     assert [json.loads(line)["step"] for line in after[len(before) :]] == [3]
