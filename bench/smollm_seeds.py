@@ -94,7 +94,7 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
     verdict = "exceeds" if statistics.mean(gains) > spread and min(gains) > 0 else "does not exceed"
     lines = [
         f"# SmolLM2-135M-Instruct under DAPO on CPU ({datetime.date.today()})", "",
-        "`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; {n} held-out word problems, "
+        f"`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; {n} held-out word problems, "
         "greedy, scored by the DAPO rule (the same problems for every seed).", "",
         "| seed | base acc (format) | warm-start steps | DAPO starts at | every eval after it | final | gain | wall "
         "| RL s/step | samples/s | logp gap mean / max | peak RSS actor / server |",
