@@ -2,11 +2,11 @@
 model, after the format warm start (where DAPO starts) and at each eval, DAPO's gain against the seeds' spread, wall
 time, samples/s, memory and the rollout/actor logprob gap.
 
-    .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~18 min per seed, 2 cores
+    .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~22 min per seed, 2 cores
     .venv/bin/python bench/smollm_seeds.py report [--seeds ...] [--runs runs] [--out bench/results]
 
-``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, the recipe's steps, save)
-with GNU time and keeps its output as ``<runs>/smollm_s<seed>.time.log``; ``report`` reads those logs and each run's
+``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, the recipe's
+steps, save) with GNU time and keeps its output as ``<runs>/smollm_s<seed>.time.log``; ``report`` reads those logs and each run's
 metrics.jsonl and writes ``smollm-<date>.md`` / ``.json`` / ``.png`` (the held-out curve of every seed).
 """
 
