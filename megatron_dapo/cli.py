@@ -6,6 +6,7 @@
     dapo convert hf-to-megatron|megatron-to-hf ...      (tools/convert_*.py)
     dapo plan --model qwen2.5-32b --max-prompt 2048 --max-response 20480 --nodes 16 --gpus-per-node 8 --gpu-mem 80
     dapo launch --recipe dapo_32b [--dry-run] ...        (inside or outside a Slurm allocation)
+    dapo rehearse --recipe dapo_32b --nodes 16           (every rank of the GPU job built and checked on a CPU)
 
 Multi-process training: ``torchrun --nproc-per-node N -m megatron_dapo.cli train ...`` (or ``dapo launch``).
 """
@@ -90,6 +91,12 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def _rehearse(argv: list[str]) -> int:
+    from megatron_dapo.planning.rehearsal import main as rehearse_main
+
+    return rehearse_main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from megatron_dapo.launch.slurm import main as launch_main
 
@@ -97,7 +104,7 @@ def _launch(argv: list[str]) -> int:
 
 
 # Commands with their own argument parsers: everything after the command name is theirs.
-PASSTHROUGH = {"plan": _plan, "launch": _launch}
+PASSTHROUGH = {"plan": _plan, "launch": _launch, "rehearse": _rehearse}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("plan", help="memory/parallelism planner (dapo plan --help)", add_help=False)
     sub.add_parser("launch", help="Slurm launcher; --dry-run prints the plan (dapo launch --help)", add_help=False)
+    sub.add_parser("rehearse", help="the GPU job's every rank built and checked on a CPU (dapo rehearse --help)",
+                   add_help=False)  # fmt: skip
     return parser
 
 

@@ -254,7 +254,7 @@ def fit_micro_batch_tokens(arch: ArchConfig, max_seq_len: int, available: float,
 
 @dataclass
 class PhaseMemory:
-    """Per-GPU bytes at the peak of one phase (``train`` or ``rollout``), term by term: (name, bytes, why)."""
+    """Per-GPU bytes at the peak of one phase (``train``, ``rollout``, ``startup``), term by term: (name, bytes, why)."""
 
     phase: str
     rows: list[tuple[str, float, str]]
@@ -275,3 +275,51 @@ class PhaseMemory:
         return "\n".join(
             lines + [f"  {'peak':<22}{self.total / GiB:8.2f}   of {self.usable / GiB:.1f} usable: {verdict}"]
         )
+
+
+def train_phase(m, usable: float, opt_div: int) -> PhaseMemory:
+    """The trainer's peak (``plan.Memory`` of its worst stage) while the engines are released."""
+    rows = [
+        ("trainer weights", m.weights + m.fp8_cache, f"{m.params / 1e9:.2f} B params × 2 B (bf16)"
+         + (" + FP8 copy and transpose of the GEMM weights" if m.fp8_cache else "")),
+        ("trainer grads", m.grads, "params × 4 B (fp32 main grads)"),
+        ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
+        ("trainer activations", m.activations, f"micro-batches in flight on stage {m.stage}"),
+        ("trainer logits", m.logits, "one log-softmax chunk (last stage)"),
+        ("SGLang (released)", m.rollout, "what a released engine keeps (context, allocator)"),
+        ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
+    ]  # fmt: skip
+    return PhaseMemory("train", rows, usable)
+
+
+def rollout_phase(m, r, o, usable: float) -> PhaseMemory:
+    """Generation: the trainer's weights (its grads and optimizer states offloaded unless ``o.offload_train_state`` is
+    off) + the engine's ``mem_fraction`` (weights + KV cache) + its CUDA graphs, which SGLang allocates outside
+    ``mem_fraction`` (``plan.Rollout`` ``r``, ``plan.PlanOptions`` ``o``)."""
+    off = o.offload_train_state
+    kv = max(r.share - r.weights, 0.0)
+    rows = [
+        ("trainer weights", m.weights + m.fp8_cache, f"stage {m.stage}'s parameters stay on the GPU"),
+        ("trainer grads", 0.0 if off else m.grads, "offloaded to the host" if off else "kept"),
+        ("trainer optimizer", 0.0 if off else m.optimizer, "offloaded to the host" if off else "kept"),
+        ("SGLang weights", r.weights, f"the whole model (bf16) / TP{r.sglang_tp}"),
+        ("SGLang KV cache", kv, f"mem_fraction {r.mem_fraction:.2f} × GPU − weights: {r.kv_tokens:,} tokens/engine"),
+        ("SGLang CUDA graphs", o.cuda_graph_gb * GiB, "captured decode graphs, outside mem_fraction"),
+        ("overhead", o.overhead_gb * GiB, "CUDA contexts, NCCL, fragmentation"),
+    ]
+    return PhaseMemory("rollout", rows, usable)
+
+
+def startup_phase(m, r, o, usable: float, opt_div: int) -> PhaseMemory:
+    """Before the first release (``MemoryPhases.__init__`` offloads the trainer and releases the engines only once
+    both are up): the trainer's whole resident state — weights, the DDP grad buffers, and the optimizer states a
+    resumed run has just loaded — next to engines that hold their whole ``mem_fraction`` and CUDA graphs."""
+    rows = [
+        ("trainer weights", m.weights + m.fp8_cache, f"stage {m.stage}'s parameters"),
+        ("trainer grads", m.grads, "the DDP grad buffers, allocated when the model is wrapped"),
+        ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div}: loaded by a resumed run before the offload"),
+        ("SGLang weights + KV", r.share, f"mem_fraction {r.mem_fraction:.2f} × GPU, allocated at server start"),
+        ("SGLang CUDA graphs", o.cuda_graph_gb * GiB, "captured at server start"),
+        ("overhead", o.overhead_gb * GiB, "CUDA contexts, NCCL, fragmentation"),
+    ]
+    return PhaseMemory("startup", rows, usable)

@@ -21,12 +21,14 @@ prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough st
   the final hidden states gathered from sequence parallelism and their response-position copy (2 × tokens × h × 2 B).
   This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
   ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
-- Colocated, two phases (``Plan.phases``, each must fit): *train* = the trainer's peak while SGLang has released
+- Colocated, three phases (``Plan.phases``, each must fit): *train* = the trainer's peak while SGLang has released
   its weights and KV cache and keeps ``rollout_residual_gb`` (or, with ``rollout_release=False``, its whole
   ``mem_fraction``); *rollout* = the trainer's weights (its grads and optimizer states on the host:
   ``offload_train_state``, what ``placement.to_rollout()`` does; without it they stay) + overhead + SGLang's
   ``mem_fraction`` of the GPU (or, when None, what the trainer leaves), which must hold its weight shard plus a KV
-  cache for ``min_rollout_seqs`` full-length sequences per engine.
+  cache for ``min_rollout_seqs`` full-length sequences per engine, + its CUDA graphs (``cuda_graph_gb``, outside
+  ``mem_fraction``); *startup* = before the engines first release: the trainer's weights, grads and optimizer states
+  (a resumed run has loaded them) + the engines' whole ``mem_fraction`` and CUDA graphs.
 - Framework overhead: ``overhead_gb`` (CUDA context, NCCL buffers, allocator fragmentation, TE workspaces).
 - Step time: FLOPs = tokens · (8·N + recompute extra) + attention, over GPUs × peak × MFU × TP/CP efficiency,
   stretched by the pipeline bubble, plus the gradient reduction of every optimizer update (see ``_step_time``).
@@ -55,7 +57,10 @@ from megatron_dapo.memory import (  # noqa: F401 - the formulas, re-exported for
     count_params,
     layer_gemm_params,
     layer_params,
+    rollout_phase,
+    startup_phase,
     total_params,
+    train_phase,
 )
 
 
@@ -129,7 +134,9 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     model: str = ""
     max_seq_len: int = 0
-    phases: list[PhaseMemory] = field(default_factory=list)  # colocated: train and rollout peaks
+    phases: list[PhaseMemory] = field(default_factory=list)  # colocated: train, rollout and start-up peaks
+    stages: list[Memory] = field(default_factory=list)  # the first and the last stage (one when PP = 1)
+    options: PlanOptions | None = None
 
     @property
     def memory_gib(self) -> float:
@@ -224,7 +231,8 @@ class PlanOptions:
     rollout_nodes: int | None = None  # disaggregated only; default half the nodes
     rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85
     rollout_release: bool = True  # colocated SGLang releases weights + KV cache while the actor trains
-    rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA graphs, context)
+    rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA context, allocator, what it keeps)
+    cuda_graph_gb: float = 2.0  # SGLang's captured CUDA graphs, outside its mem_fraction (held while not released)
     offload_train_state: bool = True  # colocated: grads + optimizer states on the host during rollout (weights stay)
     min_rollout_seqs: int = 16  # full-length sequences an SGLang engine's KV cache must hold
     batch_prompts: int = 512  # B
@@ -426,18 +434,31 @@ def _evaluate(
     kept = max(stages, key=lambda st: st.weights + st.fp8_cache if o.offload_train_state else st.resident)
     resident = (kept.weights + kept.fp8_cache if o.offload_train_state else kept.resident) if o.colocated else 0.0
     if o.colocated:
+        # unset: what the trainer leaves at start-up, when its whole resident state is on the GPU beside the engine
+        startup_resident = max(st.resident for st in stages)
+        graphs = o.cuda_graph_gb * GiB
         share = (
-            o.rollout_mem_fraction * job.gpu if o.rollout_mem_fraction is not None else job.usable - resident - overhead
+            o.rollout_mem_fraction * job.gpu
+            if o.rollout_mem_fraction is not None
+            else job.usable - max(resident, startup_resident) - overhead - graphs
         )
     else:
         share = (o.rollout_mem_fraction or 0.85) * job.gpu
     rollout, why = _rollout(job, max(share, 0.0), resident, sglang_tp)
     phases = []
     if o.colocated:
+        opt_div = dp * cp if distopt else 1
         phases = [
-            _train_phase(worst, job.usable, dp * cp if distopt else 1),
-            _rollout_phase(kept, rollout, o, job.usable),
+            train_phase(worst, job.usable, opt_div),
+            rollout_phase(kept, rollout, o, job.usable),
+            startup_phase(max(stages, key=lambda st: st.resident), rollout, o, job.usable, opt_div),
         ]
+        if not phases[2].fits:
+            reasons.append(
+                f"start-up phase: the trainer's weights, grads and optimizer states + SGLang's mem_fraction "
+                f"{rollout.mem_fraction:.2f} and CUDA graphs = {phases[2].total / GiB:.1f} > {job.usable / GiB:.1f} GiB "
+                "usable before the engines first release their memory (lower rollout.mem_fraction)"
+            )
         if not phases[1].fits:
             reasons.append(
                 f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
@@ -475,35 +496,9 @@ def _evaluate(
         model=arch.name,
         max_seq_len=job.max_seq,
         phases=phases,
+        stages=stages,
+        options=o,
     )
-
-
-def _train_phase(m: Memory, usable: float, opt_div: int) -> PhaseMemory:
-    rows = [
-        ("trainer weights", m.weights + m.fp8_cache, f"{m.params / 1e9:.2f} B params × 2 B (bf16)"
-         + (" + FP8 copy and transpose of the GEMM weights" if m.fp8_cache else "")),
-        ("trainer grads", m.grads, "params × 4 B (fp32 main grads)"),
-        ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
-        ("trainer activations", m.activations, f"micro-batches in flight on stage {m.stage}"),
-        ("trainer logits", m.logits, "one log-softmax chunk (last stage)"),
-        ("SGLang (released)", m.rollout, "what a released engine keeps (context, graphs)"),
-        ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
-    ]  # fmt: skip
-    return PhaseMemory("train", rows, usable)
-
-
-def _rollout_phase(m: Memory, r: Rollout, o: PlanOptions, usable: float) -> PhaseMemory:
-    off = o.offload_train_state
-    kv = max(r.share - r.weights, 0.0)
-    rows = [
-        ("trainer weights", m.weights + m.fp8_cache, f"stage {m.stage}'s parameters stay on the GPU"),
-        ("trainer grads", 0.0 if off else m.grads, "offloaded to the host" if off else "kept"),
-        ("trainer optimizer", 0.0 if off else m.optimizer, "offloaded to the host" if off else "kept"),
-        ("SGLang weights", r.weights, f"the whole model (bf16) / TP{r.sglang_tp}"),
-        ("SGLang KV cache", kv, f"mem_fraction {r.mem_fraction:.2f} × GPU − weights: {r.kv_tokens:,} tokens/engine"),
-        ("overhead", o.overhead_gb * GiB, "CUDA contexts, NCCL, fragmentation"),
-    ]
-    return PhaseMemory("rollout", rows, usable)
 
 
 def _overflow(m: Memory, usable: float) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ArchConfig, ConfigError, load_arch
+from megatron_dapo.config import ArchConfig, ConfigError, load_arch, load_config
 from megatron_dapo.plan import (
     GiB,
     NoFeasiblePlan,
@@ -278,8 +278,8 @@ def test_layout_phases_term_by_term():
 
     p = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
                         sglang_tp=4, rollout_mem_fraction=0.66)  # fmt: skip
-    train, rollout = p.phases
-    assert (train.phase, rollout.phase) == ("train", "rollout") and p.feasible
+    train, rollout, startup = p.phases
+    assert (train.phase, rollout.phase, startup.phase) == ("train", "rollout", "startup") and p.feasible
     t, r = dict((k, v) for k, v, _ in train.rows), dict((k, v) for k, v, _ in rollout.rows)
     assert r["trainer grads"] == r["trainer optimizer"] == 0  # the heavier stage's weights stay
     assert r["trainer weights"] == pytest.approx(t["trainer weights"], rel=1e-4)
@@ -294,3 +294,30 @@ def test_layout_phases_term_by_term():
                            sglang_tp=4, rollout_mem_fraction=0.66, offload_train_state=False,
                            distributed_optimizer=False)  # fmt: skip
     assert not kept.phases[1].fits and any(reason.startswith("rollout phase:") for reason in kept.reasons)
+
+
+def test_startup_peak_is_modelled_and_refused():
+    """Before the engines first release, a colocated GPU holds the trainer's whole resident state (weights + FP8 cache,
+    the DDP grad buffers, the optimizer states a resumed run loaded) beside SGLang's whole mem_fraction and its CUDA
+    graphs. The 32B sbatch's layout with FP8 at mem_fraction 0.66 passes the train and rollout phases but not this one;
+    the shipped mem_fraction fits all three."""
+    from megatron_dapo.plan import evaluate_layout
+
+    def layout(fraction):
+        return evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
+                               sglang_tp=4, rollout_mem_fraction=fraction, fp8=True)  # fmt: skip
+
+    p = layout(0.66)
+    train, rollout, startup = p.phases
+    assert train.fits and rollout.fits and not startup.fits and not p.feasible
+    terms = {k: v for k, v, _ in startup.rows}
+    assert terms["trainer grads"] > 0 and terms["trainer optimizer"] > 0 and terms["trainer weights"] > 0
+    assert terms["SGLang weights + KV"] == pytest.approx(0.66 * 80 * GiB) and terms["SGLang CUDA graphs"] > 0
+    assert startup.total == pytest.approx(sum(terms.values())) and startup.total > rollout.total
+    assert any(reason.startswith("start-up phase:") for reason in p.reasons)
+    shipped = load_config("dapo_32b", []).rollout.mem_fraction
+    assert all(ph.fits for ph in layout(shipped).phases), [ph.explain() for ph in layout(shipped).phases]
+    # unset, the share an engine gets is what the trainer leaves at start-up: all three phases fit
+    chosen = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
+                             sglang_tp=4, fp8=True)  # fmt: skip
+    assert chosen.feasible and all(ph.fits for ph in chosen.phases)

@@ -1,0 +1,314 @@
+"""``dapo rehearse``: the GPU job at its real size on a CPU, in minutes, with no checkpoint, tokenizer or data.
+
+    dapo rehearse --recipe dapo_32b --nodes 16 [key=value ...]
+
+1. Every trainer rank of the layout is built (``fake_ranks.build_ranks``: the fake process group, megatron-core's
+   own ``parallel_state``, our provider on the meta device). Each rank's coordinates must be the ones the launch's
+   placement assumes (``launch.placement.Placement.coords``: who shares a GPU with which engine, who sends which
+   weights), and its exact parameter count the planner's (``memory.count_params``).
+2. The weight sync as it runs: the HF tensors the bridge's mapping table produces from the meta shapes, bucketed by
+   the export's own ``_bucketed`` at ``rollout.bucket_mb``; which ranks feed which engine (the placement's routes).
+3. A table per rank class (pipeline stage × role: the driver, a rank that posts an engine's weights, a rank that only
+   sends) and phase — start-up, rollout, sync, old logprobs, train, export — with each term from the built model
+   beside the memory model's (``plan.evaluate_layout``, what ``dapo launch`` checks). It fails, naming the rank class,
+   the phase and the term, where a phase exceeds the usable GPU memory or the two sides differ by more than
+   ``MARGIN``.
+
+What it does not rehearse: kernels (TE, FP8), NCCL and CUDA IPC themselves, real allocator fragmentation, and the
+activations (taken from the memory model on both sides: a meta forward keeps no tensors to count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from megatron_dapo.config import ConfigError, DapoConfig, load_arch, load_config
+from megatron_dapo.memory import BF16, FP32, GiB, count_params, total_params
+from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
+
+MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
+PHASES = ("startup", "rollout", "sync", "old_logprobs", "train", "export")
+
+
+@dataclass
+class Term:
+    name: str
+    rehearsed: float  # bytes, from the built ranks / the bridge / the config
+    model: float | None  # bytes the memory model predicts; None where it has no such term
+    why: str = ""
+
+    def disagrees(self) -> bool:
+        if self.model is None:
+            return False
+        return abs(self.rehearsed - self.model) > MARGIN * max(abs(self.model), abs(self.rehearsed), 1.0)
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    terms: list[Term]
+
+    @property
+    def rehearsed(self) -> float:
+        return sum(t.rehearsed for t in self.terms)
+
+    @property
+    def model(self) -> float:
+        return sum(t.rehearsed if t.model is None else t.model for t in self.terms)
+
+
+@dataclass
+class RankClass:
+    stage: int
+    role: str  # driver | poster | sender | trainer
+    ranks: list[int]
+    build: RankBuild  # the first rank's (all ranks of a class hold the same parameters: checked)
+    phases: list[PhaseRow] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"PP stage {self.stage}, {self.role}"
+
+
+@dataclass
+class SyncPlan:
+    buckets: list[int]  # bytes of each bucket, in the order the export yields them
+    tensors: int
+    model_bytes: int  # the whole HF model, what every engine loads
+    routes: list[dict]
+
+    @property
+    def largest(self) -> int:
+        return max(self.buckets, default=0)
+
+
+@dataclass
+class Rehearsal:
+    recipe: str
+    nodes: int
+    gpus_per_node: int
+    world: int
+    usable: float
+    classes: list[RankClass]
+    sync: SyncPlan
+    failures: list[str]
+    seconds: float
+    layout_label: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
+    """The HF tensors of one weight sync (the bridge's mapping table on meta tensors) in the export's own buckets."""
+    import torch
+
+    from megatron_dapo.bridge.export import _bucketed
+    from megatron_dapo.bridge.mappings import table_for
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.dtype]
+    items = [
+        (name, torch.empty(shape, dtype=dtype, device="meta"))
+        for p in table_for(arch).params(arch)
+        for name, shape in zip(p.hf, p.hf_shapes())
+    ]
+    buckets = [
+        sum(t.numel() * t.element_size() for _, t in b) for b in _bucketed(iter(items), cfg.rollout.bucket_mb << 20)
+    ]
+    routes = [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
+               "transport": r.transport} for r in placement.routes]  # fmt: skip
+    return SyncPlan(buckets, len(items), sum(buckets), routes)
+
+
+def _role(rank: int, placement) -> str:
+    if rank == 0:
+        return "driver"
+    if not placement.colocated:
+        return "trainer"
+    routes = placement.routes_from(rank)
+    if any(r.poster == rank for r in routes):
+        return "poster"
+    return "sender" if routes else "trainer"
+
+
+def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[PhaseRow]:
+    """Each phase's terms on one GPU of ``cls``: built-model bytes beside the memory model's (``layout``: plan.Plan)."""
+    b, o, r = cls.build, layout.options, layout.rollout
+    stage = next(m for m in layout.stages if m.stage == (0 if b.first_stage else max(s.stage for s in layout.stages)))
+    colocated = cfg.cluster.placement == "colocated"
+    fp8 = 2.0 * b.gemm_params if cfg.model.fp8 else 0.0
+    opt_div = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    # every parameter in the model's dtype: megatron-core's Float16Module casts the built model (the local spec's
+    # norms are built in fp32 here: param_bytes differs by their few bytes)
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+    weights = Term("trainer weights", dtype_bytes * b.params + fp8, stage.weights + stage.fp8_cache,
+                   f"{b.params:,} params" + (" + FP8 copy and transpose of the GEMM weights" if fp8 else ""))  # fmt: skip
+    grads = Term("trainer grads", FP32 * b.params, stage.grads, "fp32 main-grad buffer")
+    optim = Term("trainer optimizer", 12.0 * b.params / opt_div, stage.optimizer, f"fp32 master + Adam / {opt_div}")
+    acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
+    logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
+    overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
+    graphs = Term("SGLang CUDA graphs", o.cuda_graph_gb * GiB, o.cuda_graph_gb * GiB, "outside mem_fraction")
+    released = Term("SGLang (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
+    engine_weights = Term("SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, r.weights,
+                          f"HF model / TP{cfg.rollout.sglang_tp}")  # fmt: skip
+    share = cfg.rollout.mem_fraction * cfg.cluster.gpu_mem_gb * GiB
+    kv = Term("SGLang KV cache", share - engine_weights.rehearsed, r.share - r.weights, "mem_fraction − weights")
+    bucket = Term("sync bucket + flat copy", 2.0 * sync.largest, None, "largest bucket and its flattened copy")
+    export = Term("export bucket", float(sync.largest), None, "one bucket of full tensors, then to the host")
+    zero = lambda name, why: Term(name, 0.0, 0.0, why)  # noqa: E731
+    off_grads, off_optim = zero("trainer grads", "on the host"), zero("trainer optimizer", "on the host")
+    if not colocated:  # the engines live on other nodes: the trainer's GPU holds the trainer only
+        train = [weights, grads, optim, acts, logits, overhead]
+        return [PhaseRow("startup", [weights, grads, optim, overhead]), PhaseRow("train", train),
+                PhaseRow("sync", [weights, grads, optim, bucket, overhead]),
+                PhaseRow("old_logprobs", [weights, grads, optim, logits, overhead]),
+                PhaseRow("export", [weights, grads, optim, export, overhead])]  # fmt: skip
+    return [
+        PhaseRow("startup", [weights, grads, optim, engine_weights, kv, graphs, overhead]),
+        PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, overhead]),
+        # the KV cache and graphs come back after the sync (rollout/phases.py AFTER_SYNC)
+        PhaseRow("sync", [weights, off_grads, off_optim, engine_weights, bucket, overhead]),
+        PhaseRow("old_logprobs", [weights, grads, optim, logits, released, overhead]),
+        PhaseRow("train", [weights, grads, optim, acts, logits, released, overhead]),
+        PhaseRow("export", [weights, off_grads, off_optim, engine_weights, export, overhead]),
+    ]
+
+
+def rehearse(
+    cfg: DapoConfig, nodes: int, gpus_per_node: int, recipe: str = "", progress=None, every_rank: bool = False
+) -> Rehearsal:
+    """Build every rank of ``cfg``'s layout on ``nodes × gpus_per_node`` GPUs and check it (module docstring)."""
+    from megatron_dapo.launch.layout import layout_memory
+    from megatron_dapo.launch.placement import PlacementError, make_placement
+
+    t0 = time.monotonic()
+    p, r = cfg.parallel, cfg.rollout
+    arch = load_arch(cfg.model.arch)
+    colocated = cfg.cluster.placement == "colocated"
+    try:
+        placement = make_placement(nodes, gpus_per_node, p.tp, p.pp, p.cp, r.sglang_tp, colocated,
+                                   cfg.cluster.rollout_nodes if not colocated else 0)  # fmt: skip
+    except PlacementError as e:
+        raise ConfigError(str(e)) from e
+    layout = layout_memory(cfg, nodes, gpus_per_node)
+    failures = [f"memory model: {reason}" for reason in layout.reasons]
+    builds = build_ranks(cfg, arch, placement.world, progress, every_rank)
+    for b in builds:
+        want = placement.coords(b.rank)
+        if b.coords() != want:
+            failures.append(f"rank {b.rank}: megatron-core places it at {b.coords()}, the launch assumes {want}")
+        expected = count_params(arch, p.tp, p.pp, b.pp)
+        if b.params != expected:
+            failures.append(f"rank {b.rank} (PP stage {b.pp}): built {b.params:,} parameters, planner {expected:,}")
+    sync = sync_plan(cfg, arch, placement)
+    if sync.model_bytes != BF16 * total_params(arch) and cfg.model.dtype == "bf16":
+        failures.append(f"sync: the HF model is {sync.model_bytes:,} B, the memory model {BF16 * total_params(arch):,}")
+    classes: dict[tuple[int, str], RankClass] = {}
+    for b in builds:
+        key = (b.pp, _role(b.rank, placement))
+        if key not in classes:
+            classes[key] = RankClass(b.pp, key[1], [], b)
+        cls = classes[key]
+        if (b.params, b.gemm_params) != (cls.build.params, cls.build.gemm_params):
+            failures.append(
+                f"rank {b.rank}: {b.params:,} parameters, rank {cls.ranks[0]} of its class {cls.build.params:,}"
+            )
+        cls.ranks.append(b.rank)
+    usable = layout.usable_gb * GiB
+    for cls in sorted(classes.values(), key=lambda c: (c.stage, c.role)):
+        cls.phases = _phases(cls, cfg, layout, sync)
+        for ph in cls.phases:
+            if ph.rehearsed > usable:
+                top = max(ph.terms, key=lambda t: t.rehearsed)
+                failures.append(f"{cls.label}: {ph.phase} phase needs {ph.rehearsed / GiB:.1f} GiB > {usable / GiB:.1f} "
+                                f"GiB usable (largest term: {top.name} {top.rehearsed / GiB:.1f} GiB)")  # fmt: skip
+            for t in ph.terms:
+                if t.disagrees():
+                    failures.append(f"{cls.label}: {ph.phase} phase, {t.name}: built {t.rehearsed / GiB:.3f} GiB, "
+                                    f"memory model {t.model / GiB:.3f} GiB (margin {MARGIN:.0%})")  # fmt: skip
+    return Rehearsal(recipe, nodes, gpus_per_node, placement.world, usable,
+                     sorted(classes.values(), key=lambda c: (c.stage, c.role)), sync, failures,
+                     time.monotonic() - t0, layout.label())  # fmt: skip
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"{len(ranks)} ranks ({ranks[0]}, …, {ranks[-1]})" if len(ranks) > 3 else f"ranks {ranks}"
+
+
+def render(result: Rehearsal) -> str:
+    gib = GiB
+    lines = [f"rehearsal of {result.recipe or 'the config'}: {result.world} trainer ranks on {result.nodes} nodes × "
+             f"{result.gpus_per_node} GPUs, {result.layout_label}; built in {result.seconds:.0f} s"]  # fmt: skip
+    s = result.sync
+    lines.append(f"weight sync: {s.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {len(s.buckets)} buckets "
+                 f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines")  # fmt: skip
+    lines.append("")
+    lines.append("| rank class | ranks | params per rank | " + " | ".join(PHASES) + " |")
+    lines.append("|---|---|---:|" + "---:|" * len(PHASES))
+    for cls in result.classes:
+        by = {ph.phase: ph for ph in cls.phases}
+        cells = [f"{by[ph].rehearsed / gib:.1f} / {by[ph].model / gib:.1f}" if ph in by else "-" for ph in PHASES]
+        lines.append(f"| {cls.label} | {_ranks_text(cls.ranks)} | {cls.build.params:,} | " + " | ".join(cells) + " |")
+    lines.append(f"\nGiB per GPU, built / memory model; usable {result.usable / gib:.1f} GiB. Terms of the heaviest phase "
+                 "of each class:")  # fmt: skip
+    for cls in result.classes:
+        ph = max(cls.phases, key=lambda x: x.rehearsed)
+        terms = ", ".join(f"{t.name} {t.rehearsed / gib:.2f}" for t in ph.terms if t.rehearsed)
+        lines.append(f"  {cls.label}, {ph.phase}: {terms}")
+    lines.append("")
+    lines += [f"FAIL {f}" for f in result.failures] or ["OK: every rank built as placed and counted; every phase fits"]
+    return "\n".join(lines)
+
+
+def as_dict(result: Rehearsal) -> dict:
+    return {
+        "recipe": result.recipe, "nodes": result.nodes, "gpus_per_node": result.gpus_per_node, "world": result.world,
+        "ok": result.ok, "failures": result.failures, "seconds": result.seconds,
+        "sync": {"buckets": result.sync.buckets, "tensors": result.sync.tensors, "model_bytes": result.sync.model_bytes,
+                 "routes": result.sync.routes},
+        "classes": [{"stage": c.stage, "role": c.role, "ranks": c.ranks, "params": c.build.params,
+                     "param_bytes": c.build.param_bytes,
+                     "phases": {ph.phase: {"rehearsed": ph.rehearsed, "model": ph.model,
+                                           "terms": {t.name: [t.rehearsed, t.model] for t in ph.terms}}
+                                for ph in c.phases}} for c in result.classes],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dapo rehearse", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", required=True, help="a GPU recipe (dapo_32b, dapo_qwen3_32b, dapo_7b) or YAML path")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, as `dapo launch` takes them")
+    ap.add_argument("--nodes", type=int, help="default: cluster.nodes")
+    ap.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--every-rank", action="store_true", help="build every rank's model (default: one per TP/CP/PP "
+                    "position, reused for its data-parallel replicas)")  # fmt: skip
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        nodes = args.nodes or cfg.cluster.nodes
+        gpus = args.gpus_per_node or cfg.cluster.gpus_per_node
+        bar = None if args.json else _progress_bar()
+        result = rehearse(cfg, nodes, gpus, args.recipe, bar, args.every_rank)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_dict(result), indent=1) if args.json else render(result))
+    return 0 if result.ok else 1
+
+
+def _progress_bar():
+    def show(done: int, total: int) -> None:
+        width = 40
+        filled = width * done // total
+        end = "\n" if done == total else ""
+        print(f"\rbuilding ranks [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    return show

@@ -1,0 +1,92 @@
+"""`dapo rehearse`: every rank of a GPU recipe's layout built with torch's fake process group on the meta device,
+checked against the launch's placement and the memory model; planted faults fail it, naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_dapo.config import load_arch, load_config
+from megatron_dapo.launch.placement import Placement
+from megatron_dapo.memory import GiB, count_params
+from megatron_dapo.planning import rehearsal
+from megatron_dapo.planning.rehearsal import PHASES, rehearse
+
+
+@pytest.fixture(scope="module")
+def dapo_32b():
+    return rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
+
+
+def test_dapo_32b_every_rank_built_placed_and_counted(dapo_32b):
+    r = dapo_32b
+    assert r.ok, r.failures
+    arch = load_arch("qwen2.5-32b")
+    ranks = sorted(rank for c in r.classes for rank in c.ranks)
+    assert ranks == list(range(128)) and r.world == 128
+    for c in r.classes:  # exact per-rank counts: the stage's own layers, the embedding on 0, norm + output on 1
+        assert c.build.params == count_params(arch, 8, 2, c.stage)
+        assert 2 * c.build.params <= c.build.param_bytes < 2.001 * c.build.params  # bf16 (the local spec's norms fp32)
+        assert {ph.phase for ph in c.phases} == set(PHASES)
+    assert {c.build.params for c in r.classes} == {2_048_356_352, 2_048_361_472}
+    roles = {(c.stage, c.role): len(c.ranks) for c in r.classes}
+    assert roles == {(0, "driver"): 1, (0, "poster"): 15, (0, "sender"): 48, (1, "poster"): 16, (1, "sender"): 48}
+    # the sync: every HF tensor once, the whole bf16 model, the embedding a bucket of its own (> bucket_mb)
+    assert r.sync.model_bytes == 2 * count_params(arch, 1, 1, 0, arch.vocab_size)
+    assert r.sync.largest == 2 * arch.vocab_size * arch.hidden_size and len(r.sync.routes) == 32
+    text = rehearsal.render(r)
+    assert "2,048,356,352" in text and "| startup | rollout | sync | old_logprobs | train | export |" in text
+    assert "OK: every rank" in text
+    startup = {ph.phase: ph for ph in r.classes[0].phases}["startup"]
+    assert 70 * GiB < startup.rehearsed < r.usable  # the start-up peak is the tightest phase, and it fits
+
+
+def test_wrong_rank_order_fails_naming_the_rank(monkeypatch):
+    """The launch places engines by its own reading of megatron's rank order; a wrong reading must fail."""
+    cfg = load_config("dapo_32b", [])
+
+    def pipeline_fastest(self, rank):
+        pp, rest = rank % self.pp, rank // self.pp
+        tp, dp = rest % self.tp, rest // self.tp
+        return {"tp": tp, "cp": 0, "dp": dp, "pp": pp}
+
+    monkeypatch.setattr(Placement, "coords", pipeline_fastest)
+    r = rehearse(cfg, 2, 8, "dapo_32b")
+    assert not r.ok and any(f.startswith("rank 1: megatron-core places it at") for f in r.failures), r.failures
+
+
+def test_planner_count_off_by_one_fails(monkeypatch):
+    monkeypatch.setattr(rehearsal, "count_params", lambda *a, **k: count_params(*a, **k) + 1)
+    r = rehearse(load_config("dapo_32b", []), 2, 8, "dapo_32b")
+    assert any("built 2,048,356,352 parameters, planner 2,048,356,353" in f for f in r.failures), r.failures
+
+
+def test_memory_model_disagreement_fails_naming_phase_and_term(monkeypatch):
+    import megatron_dapo.plan as plan
+
+    real = plan.count_params
+    monkeypatch.setattr(plan, "count_params", lambda *a, **k: int(real(*a, **k) * 1.05))
+    r = rehearse(load_config("dapo_32b", []), 2, 8, "dapo_32b")
+    assert any("train phase, trainer grads: built" in f and "margin 2%" in f for f in r.failures), r.failures
+
+
+def test_startup_overflow_fails_naming_the_phase():
+    """mem_fraction 0.66 (the sbatch's value before the start-up phase was modelled) with FP8 does not fit."""
+    r = rehearse(load_config("dapo_32b", ["rollout.mem_fraction=0.66"]), 16, 8, "dapo_32b")
+    assert any(f.startswith("memory model: start-up phase:") for f in r.failures)
+    assert any("startup phase needs 77.7 GiB > 76.0 GiB usable" in f for f in r.failures), r.failures
+
+
+def test_cli_qwen3_32b_prints_the_table(capsys):
+    assert rehearsal.main(["--recipe", "dapo_qwen3_32b", "--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "128 trainer ranks on 16 nodes" in out and "| PP stage 0, driver | ranks [0] |" in out
+    assert f"{count_params(load_arch('qwen3-32b'), 8, 2, 1):,}" in out
+    # 2 nodes: DP 1, the optimizer states unsharded: training does not fit, exit 1, said in the JSON
+    assert rehearsal.main(["--recipe", "dapo_qwen3_32b", "--nodes", "2", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert not data["ok"] and data["world"] == 16 and {c["stage"] for c in data["classes"]} == {0, 1}
+    assert any("train phase needs" in f for f in data["failures"])
+    assert rehearsal.main(["--recipe", "dapo_qwen3_32b", "--nodes", "3"]) == 2  # 24 GPUs: TP8 × PP2 does not divide
+    assert "must divide" in capsys.readouterr().err
