@@ -164,7 +164,10 @@ class Trainer:
                 break  # the last step ends the loop itself, so the progress bar says 100%
         if cfg.train.steps == 0 and self.start_step == 0:  # a run of no RL steps keeps what it has (the warm start)
             self.save(0)
-        if cfg.train.export_hf and self.start_step < cfg.train.steps and not self.stopped_early:
+        # every run that reaches its end exports, a resume at (or past) the last step included (a requeued job whose
+        # first attempt ended before or during its export); a fresh run of no RL steps keeps only its checkpoint
+        ended = not self.stopped_early and (self.start_step < cfg.train.steps or self.resumed_from is not None)
+        if cfg.train.export_hf and ended:
             self.export_hf(self.run_dir / "hf")
         if self.logger:
             self.logger.close()

@@ -18,11 +18,16 @@ With ``rank0`` and ``stage`` only data-parallel (and context-parallel) rank 0's 
 hold the same weights and return at once. Vocabulary padding is stripped; a tied lm_head is not sent (the HF model ties it to the embedding);
 with tied embeddings and PP > 1 the last stage's copy of the embedding is skipped. A tensor larger than
 ``bucket_bytes`` forms a bucket of its own.
+
+``save_hf_checkpoint`` (the end of a run, the SGLang servers' first weights) streams these buckets from global rank 0
+into bounded safetensors shards; ``export_plan`` says, without a model, how many and how much memory it takes.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -56,10 +61,14 @@ def local_parameters(model_chunks, arch: ArchConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def _bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, size_of=_nbytes) -> Iterator[list]:
     bucket, size = [], 0
     for name, t in items:
-        nbytes = t.numel() * t.element_size()
+        nbytes = size_of(t)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -188,30 +197,150 @@ def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:
     return 0 if p.megatron.startswith("embedding.") else pp - 1
 
 
-def save_hf_checkpoint(model_chunks, arch: ArchConfig, out, tokenizer=None, bucket_bytes: int = 512 << 20) -> None:
-    """Write the live model as an HF checkpoint (model.safetensors + config.json [+ tokenizer]) from global rank 0.
+# ----------------------------------------------------------------------------------------------------------------------
+# The HF checkpoint of the live model, streamed bucket by bucket into bounded safetensors shards
 
-    Collective like ``export_hf_tensors``: every rank calls it. For checkpoints too large for one process's memory use
-    ``tools/convert_megatron_to_hf.py`` on a saved checkpoint (it streams shard by shard).
+
+def _param_dtypes(model_chunks, arch: ArchConfig) -> dict[str, torch.dtype]:
+    """Every parameter's dtype by canonical name, on every rank (collective when distributed): the shard headers are
+    written before the tensors, so the writer needs them up front."""
+    import torch.distributed as dist
+
+    mine = {name: str(t.dtype).removeprefix("torch.") for name, t in local_parameters(model_chunks, arch).items()}
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        mine = {k: v for d in every for k, v in d.items()}
+    return {k: getattr(torch, v) for k, v in mine.items()}
+
+
+def _hf_plan(arch: ArchConfig, dtypes) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(hf name, shape, dtype)`` of every exported tensor, in the order ``export_hf_tensors`` yields them;
+    ``dtypes`` maps a canonical Megatron name (or anything, with a ``defaultdict``) to its dtype."""
+    return [
+        (h, tuple(s), dtypes[p.megatron]) for p in table_for(arch).params(arch) for h, s in zip(p.hf, p.hf_shapes())
+    ]
+
+
+def save_hf_checkpoint(
+    model_chunks, arch: ArchConfig, out, tokenizer=None, bucket_bytes: int = 512 << 20, max_shard_size="2GB"
+) -> None:
+    """Write the live model as an HF checkpoint from global rank 0: safetensors shards of at most ``max_shard_size``
+    (one ``model.safetensors`` when it fits, else ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``),
+    ``config.json`` [+ tokenizer]. Written into a temporary directory next to ``out``, renamed at the end.
+
+    Collective like ``export_hf_tensors``: every rank calls it. Streams: each bucket's tensors are copied to the host
+    and appended to the open shard one at a time (``convert._ShardWriter``, the converter's writer), so rank 0 holds at
+    most one bucket on the device plus one tensor on the host, never the model; ``export_plan`` gives the numbers.
     """
+    import contextlib
     import json
     from pathlib import Path
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
+    from megatron_dapo.bridge.convert import _ShardWriter, parse_size, staged_output
     from megatron_dapo.bridge.hf_config import hf_from_arch
 
-    tensors = {}
-    for bucket in export_hf_tensors(model_chunks, arch, bucket_bytes):
-        tensors.update({name: t.contiguous().clone() for name, t in bucket})
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(hf_from_arch(arch, dtype), indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+    max_bytes = parse_size(max_shard_size)
+    dtypes = _param_dtypes(model_chunks, arch)
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    with staged_output(Path(out)) if writes else contextlib.nullcontext() as tmp:
+        writer = _ShardWriter(tmp, _hf_plan(arch, dtypes), max_bytes) if writes else None
+        for bucket in export_hf_tensors(model_chunks, arch, bucket_bytes):
+            while bucket:  # only rank 0 receives; each tensor is dropped once written
+                name, t = bucket.pop(0)
+                writer.add(name, t.detach().to("cpu"))
+                del t
+        if writes:
+            writer.close()
+            first = dtypes[table_for(arch).params(arch)[0].megatron] if dtypes else torch.float32
+            cfg = hf_from_arch(arch, str(first).removeprefix("torch."))
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     if dist.is_initialized():
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The export's plan without a model (a full-scale rehearsal prints it)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What ``save_hf_checkpoint`` does for one architecture and parallel layout; all sizes in bytes."""
+
+    tensors: int  # HF tensors written (no lm_head when tied)
+    total_bytes: int  # their sum: the checkpoint's size
+    buckets: int  # buckets export_hf_tensors yields to rank 0
+    max_bucket_bytes: int  # the largest (bucket_bytes, or one tensor larger than that)
+    shards: int  # safetensors files (1: model.safetensors; more: with model.safetensors.index.json)
+    max_shard_bytes: int  # the largest file's tensor bytes
+    largest_tensor_bytes: int  # the largest HF tensor
+    largest_param_bytes: int  # the largest full Megatron parameter (vocabulary padded for TP)
+    rank0_device_bytes: int  # global rank 0's extra device memory, at most: a bucket + the parameter in flight
+    rank0_host_bytes: int  # global rank 0's extra host memory: the tensor being written (the shard is never held)
+    other_device_bytes: int  # any other rank's, at most: the parameter in flight (0 outside replica 0)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"hf export: {self.tensors} tensors, {self.total_bytes / gib:.2f} GiB in {self.buckets} buckets "
+            f"(largest {self.max_bucket_bytes / gib:.2f} GiB) and {self.shards} shards (largest "
+            f"{self.max_shard_bytes / gib:.2f} GiB); peak extra on rank 0: {self.rank0_device_bytes / gib:.2f} GiB "
+            f"device + {self.rank0_host_bytes / gib:.2f} GiB host; on other ranks: {self.other_device_bytes / gib:.2f} "
+            "GiB device"
+        )
+
+
+def export_plan(
+    arch: ArchConfig,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | torch.dtype = "bf16",
+    bucket_bytes: int = 512 << 20,
+    max_shard_size: str | int = "2GB",
+) -> ExportPlan:
+    """The plan of ``save_hf_checkpoint(..., bucket_bytes, max_shard_size)`` for a model of ``arch`` in ``dtype``
+    (``"bf16"``/``"fp16"``/``"fp32"`` or a torch dtype) trained at ``tp`` x ``pp``, without building it.
+
+    Returns an ``ExportPlan`` (bytes throughout): ``tensors`` / ``total_bytes`` of the checkpoint; ``buckets`` and
+    ``max_bucket_bytes`` as ``export_hf_tensors`` groups them; ``shards`` and ``max_shard_bytes`` as the writer cuts
+    the files; ``largest_tensor_bytes`` (HF) and ``largest_param_bytes`` (full Megatron, padded vocabulary); and the
+    peak extra memory per rank during the export: ``rank0_device_bytes`` (the bucket being filled plus the parameter
+    in flight: the TP all-gather's buffers and their concatenation, the previous full tensor still referenced; two
+    copies at TP 1), ``rank0_host_bytes`` (one tensor on its way to the file) and ``other_device_bytes`` (a TP rank or
+    a later stage's sender: the parameter in flight, without a bucket). ``describe()`` puts it on one line.
+    """
+    from megatron_dapo.arch import padded_vocab_size
+    from megatron_dapo.bridge.convert import DTYPES, _ShardWriter, parse_size
+    from megatron_dapo.bridge.reshard import check_divisible
+
+    check_divisible(arch, tp, pp)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan = _hf_plan(arch, defaultdict(lambda: dtype))
+    sizes = [(name, int(torch.Size(shape).numel()) * itemsize) for name, shape, _ in plan]
+    buckets = [sum(n for _, n in b) for b in _bucketed(iter(sizes), bucket_bytes, size_of=int)]
+    files = _ShardWriter(None, plan, parse_size(max_shard_size)).files
+    largest_param = 0
+    for p in table_for(arch).params(arch):
+        shape = list(p.shape())
+        if p.mapping.vocab:
+            shape[0] = padded_vocab_size(arch.vocab_size, tp)
+        largest_param = max(largest_param, int(torch.Size(shape).numel()) * itemsize)
+    in_flight = largest_param * (3 if tp > 1 else 2)
+    return ExportPlan(
+        tensors=len(plan),
+        total_bytes=sum(n for _, n in sizes),
+        buckets=len(buckets),
+        max_bucket_bytes=max(buckets),
+        shards=len(files),
+        max_shard_bytes=max(sum(e[3] for e in f) for f in files),
+        largest_tensor_bytes=max(n for _, n in sizes),
+        largest_param_bytes=largest_param,
+        rank0_device_bytes=max(buckets) + in_flight,
+        rank0_host_bytes=max(n for _, n in sizes),
+        other_device_bytes=in_flight if tp > 1 or pp > 1 else 0,
+    )
