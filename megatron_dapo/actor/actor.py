@@ -8,6 +8,7 @@ DP work the same way; the loss uses the GLOBAL token denominator of the mini-bat
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 import sys
@@ -20,12 +21,12 @@ import torch.distributed as dist
 
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.dist import init_distributed, seed_everything
+from megatron_dapo.actor.gather import all_gather_small, dp_rank_members, route
 from megatron_dapo.actor.logprobs import token_logprobs
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
+from megatron_dapo.actor.step_metrics import step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
 from megatron_dapo.algo.loss import (
-    LOSS_METRIC_REDUCTIONS,
-    combine_loss_metrics,
     loss_denominator,
     policy_loss,
     sft_loss,
@@ -176,6 +177,11 @@ class MegatronActor:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
+        # the host control group of the actor's own gathers: never the NCCL default group (actor/gather.py)
+        self.gloo = None
+        if dist.get_world_size() > 1:
+            self.gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=p.collective_timeout_s))
+        self.dp_members = dp_rank_members(self.dp_rank, self.gloo)  # per DP rank, its global ranks
         self.distributed_optimizer = (
             torch.cuda.is_available() if p.distributed_optimizer is None else p.distributed_optimizer
         )
@@ -374,9 +380,10 @@ class MegatronActor:
     # Public API
 
     @torch.no_grad()
-    def compute_logprobs(self, seqs: list[Sequence], with_entropy: bool = False):
-        """Per-sequence logprobs of the response tokens ([R] fp32 each), and entropies if asked; on every rank.
-        Logprobs are of the sampling distribution, softmax(logits / T) at the rollout temperature T (engine.py)."""
+    def compute_logprobs(self, seqs: list[Sequence], with_entropy: bool = False, owner: list[int] | None = None):
+        """Per-sequence logprobs of the response tokens ([R] fp32 each), and entropies if asked; on every rank, or
+        with ``owner`` only where ``_per_sequence`` sends them (None elsewhere). Logprobs are of the sampling
+        distribution, softmax(logits / T) at the rollout temperature T (engine.py)."""
         for m in self.model:
             m.eval()
 
@@ -385,31 +392,27 @@ class MegatronActor:
             return hidden.new_zeros(()), {"logprobs": lp, "entropy": ent, "mb": mb}
 
         results = self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
-        lp_out, ent_out = self._per_sequence(results, seqs)
+        lp_out, ent_out = self._per_sequence(results, seqs, owner, with_entropy=with_entropy)
         return (lp_out, ent_out) if with_entropy else lp_out
 
-    def _per_sequence(self, results: list[dict], seqs: list[Sequence]) -> tuple[list, list]:
-        """Scatter the per-position "logprobs" (and "entropy") of ``results`` back to one [R] tensor per sequence, on
-        every rank: gathered from the last stage of every DP (and CP) rank."""
+    def _per_sequence(
+        self, results: list[dict], seqs: list[Sequence], owner: list[int] | None = None, *, with_entropy: bool = True
+    ) -> tuple[list, list]:
+        """The per-position "logprobs" (and "entropy") of ``results`` as one [R] tensor per sequence, sent from the
+        last stage of every DP (and CP) rank: with no ``owner``, to every rank; else sequence i to rank 0 and, where
+        ``owner[i]`` >= 0, the ranks of DP rank ``owner[i]``; None on the other ranks."""
         parts = []  # (sequence, response offset, logprob, entropy) of this rank's positions
         if self.last_stage and self.tp_rank == 0:
             for res in results:
-                mb, lp = res["mb"], res["logprobs"].detach().cpu()
-                ent = res["entropy"].cpu() if res.get("entropy") is not None else torch.zeros_like(lp)
-                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), lp, ent))
-        lp_out = [torch.zeros(s.response_len) for s in seqs]
-        ent_out = [torch.zeros(s.response_len) for s in seqs]
-        gathered = [parts]
-        if dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, parts)
-        for rank_parts in gathered:
-            for seq_id, off, lp, ent in rank_parts:
-                for i in seq_id.unique().tolist():
-                    sel = seq_id == i
-                    lp_out[i][off[sel]] = lp[sel]
-                    ent_out[i][off[sel]] = ent[sel]
-        return lp_out, ent_out
+                mb, ent = res["mb"], res.get("entropy")
+                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), res["logprobs"].detach().cpu(),
+                              ent.cpu() if with_entropy else None))  # fmt: skip
+        if owner is None:
+            keys, dests = [0] * len(seqs), [set(range(dist.get_world_size()))]
+        else:
+            keys = [d if d >= 0 else self.dp_size for d in owner]
+            dests = [{0, *m} for m in self.dp_members] + [{0}]
+        return route(parts, [s.response_len for s in seqs], keys, dests, with_entropy, self.gloo)
 
     def train_step(self, seqs: list[Sequence]) -> dict[str, float]:
         """One DAPO step: ``num_updates`` mini-batch updates over ``seqs`` (grouped by prompt, in order).
@@ -423,12 +426,14 @@ class MegatronActor:
         minis, first_from_forward, missing_idx = self.step_plan(seqs)
         t0 = time.perf_counter()
         missing = [seqs[i] for i in missing_idx]
-        if missing:
-            for s, lp, ent in zip(missing, *self.compute_logprobs(missing, with_entropy=True)):
-                s.old_logprobs, s.entropy = lp, ent
+        if missing:  # to rank 0 (metrics) and the DP rank that trains on each sequence, not to every rank
+            owner = self._train_owners(seqs, minis, first_from_forward)
+            for s, lp, ent in zip(missing, *self.compute_logprobs(missing, True, [owner[i] for i in missing_idx])):
+                if lp is not None:
+                    s.old_logprobs, s.entropy = lp, ent
         old_seconds = time.perf_counter() - t0
         for s in seqs[minis[0].start : minis[0].stop] if not first_from_forward else []:
-            if s.old_logprobs.numel() != s.response_len:
+            if s.old_logprobs is not None and s.old_logprobs.numel() != s.response_len:  # None: not this rank's
                 raise ValueError(f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
                                  f"{s.response_len} tokens")  # fmt: skip
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
@@ -475,9 +480,10 @@ class MegatronActor:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             results = self._run(mbs, loss_fn, forward_only=False)
-            if from_forward:
-                for s, lp, ent in zip(mini, *self._per_sequence(results, mini)):
-                    s.old_logprobs, s.entropy = lp, ent
+            if from_forward:  # π_old of a trained mini-batch: for rank 0's metrics only
+                for s, lp, ent in zip(mini, *self._per_sequence(results, mini, [-1] * len(mini))):
+                    if lp is not None:
+                        s.old_logprobs, s.entropy = lp, ent
             grad_norm = self._optimizer_update()
             grad_norms.append(grad_norm)
             if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
@@ -486,7 +492,7 @@ class MegatronActor:
             tokens += sum(mb["num_tokens"] for mb in mbs)
         self.scheduler.step(increment=1)
         self.step += 1
-        metrics = self._step_metrics(parts, losses, grad_norms, tokens, time.perf_counter() - t0)
+        metrics = step_metrics(self, parts, losses, grad_norms, tokens, time.perf_counter() - t0)
         metrics["time/old_logprobs_s"] = old_seconds
         metrics["train/old_logprob_pass_seqs"] = float(len(missing))
         return metrics
@@ -501,6 +507,18 @@ class MegatronActor:
         missing = [i for k, rng in enumerate(minis) for i in rng
                    if seqs[i].old_logprobs is None and not (first_from_forward and k == 0)]  # fmt: skip
         return minis, first_from_forward, missing
+
+    def _train_owners(self, seqs: list[Sequence], minis: list[range], first_from_forward: bool) -> list[int]:
+        """Per sequence, the DP rank whose micro-batches train on it in this step (-1: the first mini-batch when it
+        takes π_old from its own forward)."""
+        owner = [-1] * len(seqs)
+        for k, rng in enumerate(minis):
+            if not (first_from_forward and k == 0):
+                rows, per_rank = self.plan_micro_batches([seqs[i] for i in rng])
+                for d, mbs in enumerate(per_rank):
+                    for j in (j for mb in mbs for r in mb for j in rows[r]):
+                        owner[rng[j]] = d
+        return owner
 
     def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule
@@ -526,9 +544,7 @@ class MegatronActor:
         grad_norm = self._optimizer_update()
         self.scheduler.step(increment=0)  # restore the RL learning rate
         local = sum(float(r["loss"]) for r in results) if self.last_stage and self.tp_rank == 0 else 0.0
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        return {"sft/loss": sum(gathered), "sft/grad_norm": grad_norm}
+        return {"sft/loss": sum(all_gather_small(local, self.gloo)), "sft/grad_norm": grad_norm}
 
     def reset_optimizer_state(self) -> None:
         """Forget Adam's moments (after the supervised warm start, so RL starts from fresh statistics)."""
@@ -547,37 +563,6 @@ class MegatronActor:
             self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step_with_ready_grads()
         return grad_norm
-
-    def _step_metrics(self, parts, losses, grad_norms, tokens, seconds) -> dict[str, float]:
-        local = [{k: r[k].cpu() for k in LOSS_METRIC_REDUCTIONS} for r in parts]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (local, sum(losses), tokens))
-        all_parts = [p for g in gathered for p in g[0]]
-        m = combine_loss_metrics(all_parts) if all_parts else {}
-        # loss: sum over ranks of the local sums of per-micro-batch losses, averaged over the updates
-        loss = sum(g[1] for g in gathered if g) / self.cfg.num_updates
-        total_tokens = sum(g[2] for g in gathered) / max(1, self.cfg.parallel.tp * self.cfg.parallel.pp)
-        tis = {}
-        if self.cfg.tis_possible:
-            keys = ("tis_mean", "tis_capped_frac", "tis_max", "tis_token_frac")
-            tis = {f"train/{k}": float(m.get(k, 0.0)) for k in keys}
-        return {
-            **tis,
-            "train/loss": loss,
-            "train/clip_frac_low": float(m.get("clip_frac_low", 0.0)),
-            "train/clip_frac_high": float(m.get("clip_frac_high", 0.0)),
-            "train/clip_frac_dual": float(m.get("clip_frac_dual", 0.0)),
-            "train/ppo_kl": float(m.get("ppo_kl", 0.0)),
-            "train/ratio_mean": float(m.get("ratio_mean", 1.0)),
-            "train/ratio_max": float(m.get("ratio_max", 1.0)),
-            "train/ratio_min": float(m.get("ratio_min", 1.0)),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/lr": self.lr,
-            "train/skipped_updates": float(self.skipped_updates),
-            "perf/tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0,
-            "perf/packing_efficiency": 1.0 / (1.0 + self.last_balance.padding_waste),
-            "perf/dp_imbalance": self.last_balance.imbalance,
-        }
 
     # ------------------------------------------------------------------------------------------------------------------
     # Checkpoints and weights

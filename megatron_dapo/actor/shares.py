@@ -22,7 +22,8 @@ from megatron_dapo.actor.actor import Sequence
 @dataclass
 class RemoteSequence(Sequence):
     """Another DP rank's sequence: its prompt tokens only, its response length, advantage and (if not all ones) loss
-    mask. ``old_logprobs``/``entropy`` are filled by the actor's gathers as for any sequence."""
+    mask. The actor's gathers leave its ``old_logprobs``/``entropy`` unset: they reach rank 0 and the DP rank that
+    trains on a sequence (``actor/gather.py``), never a rank that holds it as a stub."""
 
     remote_response_len: int = 0
     remote: bool = True
