@@ -6,8 +6,9 @@
    own ``parallel_state``, our provider on the meta device). Each rank's coordinates must be the ones the launch's
    placement assumes (``launch.placement.Placement.coords``: who shares a GPU with which engine, who sends which
    weights), and its exact parameter count the planner's (``memory.count_params``).
-2. The weight sync as it runs: the HF tensors the bridge's mapping table produces from the meta shapes, bucketed by
-   the export's own ``_bucketed`` at ``rollout.bucket_mb``; which ranks feed which engine (the placement's routes).
+2. The weight sync and the final export as they run (``bridge.export.export_plan``: the bridge's HF tensors in the
+   export's own buckets at ``rollout.bucket_mb``, the shards, each rank's bytes in flight), which ranks feed which
+   engine (the placement's routes), and the old-logprob gather's bytes (``actor.gather.logprob_gather_bytes``).
 3. A table per rank class (pipeline stage × role: the driver, a rank that posts an engine's weights, a rank that only
    sends) and phase — start-up, rollout, sync, old logprobs, train, export — with each term from the built model
    beside the memory model's (``plan.evaluate_layout``, what ``dapo launch`` checks). It fails, naming the rank class,
@@ -21,10 +22,12 @@ activations (taken from the memory model on both sides: a meta forward keeps no 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_dapo.config import ConfigError, DapoConfig, load_arch, load_config
 from megatron_dapo.memory import BF16, FP32, GiB, count_params, total_params
@@ -76,14 +79,20 @@ class RankClass:
 
 @dataclass
 class SyncPlan:
-    buckets: list[int]  # bytes of each bucket, in the order the export yields them
-    tensors: int
-    model_bytes: int  # the whole HF model, what every engine loads
+    """One weight sync and the final export (``bridge.export.export_plan``: the export's own bucketing of the HF
+    tensors of the bridge's mapping table) with the placement's routes, and the old-logprob gather's bytes."""
+
+    export: Any  # bridge.export.ExportPlan: tensors, bytes, buckets, shards, peak bytes per rank
+    gather: Any  # actor.gather.GatherBytes of the old-logprob pass, every response at full length
     routes: list[dict]
 
     @property
     def largest(self) -> int:
-        return max(self.buckets, default=0)
+        return self.export.max_bucket_bytes
+
+    @property
+    def model_bytes(self) -> int:
+        return self.export.total_bytes
 
 
 @dataclass
@@ -105,24 +114,18 @@ class Rehearsal:
 
 
 def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
-    """The HF tensors of one weight sync (the bridge's mapping table on meta tensors) in the export's own buckets."""
-    import torch
+    """The weight sync's buckets, the final export's peaks and the old-logprob gather's bytes for ``cfg``'s layout."""
+    from megatron_dapo.actor.gather import logprob_gather_bytes
+    from megatron_dapo.bridge.export import export_plan
 
-    from megatron_dapo.bridge.export import _bucketed
-    from megatron_dapo.bridge.mappings import table_for
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.dtype]
-    items = [
-        (name, torch.empty(shape, dtype=dtype, device="meta"))
-        for p in table_for(arch).params(arch)
-        for name, shape in zip(p.hf, p.hf_shapes())
-    ]
-    buckets = [
-        sum(t.numel() * t.element_size() for _, t in b) for b in _bucketed(iter(items), cfg.rollout.bucket_mb << 20)
-    ]
+    p = cfg.parallel
+    export = export_plan(arch, p.tp, p.pp, cfg.model.dtype, cfg.rollout.bucket_mb << 20)
+    samples = cfg.train.batch_prompts * cfg.algo.group_size
+    gather = logprob_gather_bytes(samples * cfg.rollout.sampling.max_new_tokens, dp=placement.dp, tp=p.tp, pp=p.pp,
+                                  cp=p.cp)  # fmt: skip
     routes = [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
                "transport": r.transport} for r in placement.routes]  # fmt: skip
-    return SyncPlan(buckets, len(items), sum(buckets), routes)
+    return SyncPlan(export, gather, routes)
 
 
 def _role(rank: int, placement) -> str:
@@ -160,21 +163,24 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     share = cfg.rollout.mem_fraction * cfg.cluster.gpu_mem_gb * GiB
     kv = Term("SGLang KV cache", share - engine_weights.rehearsed, r.share - r.weights, "mem_fraction − weights")
     bucket = Term("sync bucket + flat copy", 2.0 * sync.largest, None, "largest bucket and its flattened copy")
-    export = Term("export bucket", float(sync.largest), None, "one bucket of full tensors, then to the host")
+    ex = sync.export
+    in_flight = ex.rank0_device_bytes if cls.role == "driver" else ex.other_device_bytes
+    export = Term("export in flight", float(in_flight), None, "a bucket + the parameter being gathered (export_plan)")
+    gather = Term("old-logprob gather", float(sync.gather.device), None, "on the host over gloo (actor/gather.py)")
     zero = lambda name, why: Term(name, 0.0, 0.0, why)  # noqa: E731
     off_grads, off_optim = zero("trainer grads", "on the host"), zero("trainer optimizer", "on the host")
     if not colocated:  # the engines live on other nodes: the trainer's GPU holds the trainer only
         train = [weights, grads, optim, acts, logits, overhead]
         return [PhaseRow("startup", [weights, grads, optim, overhead]), PhaseRow("train", train),
                 PhaseRow("sync", [weights, grads, optim, bucket, overhead]),
-                PhaseRow("old_logprobs", [weights, grads, optim, logits, overhead]),
+                PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, overhead]),
                 PhaseRow("export", [weights, grads, optim, export, overhead])]  # fmt: skip
     return [
         PhaseRow("startup", [weights, grads, optim, engine_weights, kv, graphs, overhead]),
         PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, overhead]),
         # the KV cache and graphs come back after the sync (rollout/phases.py AFTER_SYNC)
         PhaseRow("sync", [weights, off_grads, off_optim, engine_weights, bucket, overhead]),
-        PhaseRow("old_logprobs", [weights, grads, optim, logits, released, overhead]),
+        PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, released, overhead]),
         PhaseRow("train", [weights, grads, optim, acts, logits, released, overhead]),
         PhaseRow("export", [weights, off_grads, off_optim, engine_weights, export, overhead]),
     ]
@@ -246,8 +252,13 @@ def render(result: Rehearsal) -> str:
     lines = [f"rehearsal of {result.recipe or 'the config'}: {result.world} trainer ranks on {result.nodes} nodes × "
              f"{result.gpus_per_node} GPUs, {result.layout_label}; built in {result.seconds:.0f} s"]  # fmt: skip
     s = result.sync
-    lines.append(f"weight sync: {s.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {len(s.buckets)} buckets "
+    lines.append(f"weight sync: {s.export.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {s.export.buckets} buckets "
                  f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines")  # fmt: skip
+    g = s.gather
+    lines.append(f"{s.export.describe()}")
+    lines.append(f"old-logprob gather (every response at full length): 0 GiB on the GPUs; host {g.driver / gib:.2f} GiB "
+                 f"on rank 0, {g.share / gib:.2f} GiB on the others (all_gather_object on the default group held "
+                 f"{g.replaced_device / gib:.1f} GiB on every GPU)")  # fmt: skip
     lines.append("")
     lines.append("| rank class | ranks | params per rank | " + " | ".join(PHASES) + " |")
     lines.append("|---|---|---:|" + "---:|" * len(PHASES))
@@ -270,7 +281,7 @@ def as_dict(result: Rehearsal) -> dict:
     return {
         "recipe": result.recipe, "nodes": result.nodes, "gpus_per_node": result.gpus_per_node, "world": result.world,
         "ok": result.ok, "failures": result.failures, "seconds": result.seconds,
-        "sync": {"buckets": result.sync.buckets, "tensors": result.sync.tensors, "model_bytes": result.sync.model_bytes,
+        "sync": {"export": dataclasses.asdict(result.sync.export), "gather": dataclasses.asdict(result.sync.gather),
                  "routes": result.sync.routes},
         "classes": [{"stage": c.stage, "role": c.role, "ranks": c.ranks, "params": c.build.params,
                      "param_bytes": c.build.param_bytes,

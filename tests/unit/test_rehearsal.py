@@ -35,6 +35,10 @@ def test_dapo_32b_every_rank_built_placed_and_counted(dapo_32b):
     # the sync: every HF tensor once, the whole bf16 model, the embedding a bucket of its own (> bucket_mb)
     assert r.sync.model_bytes == 2 * count_params(arch, 1, 1, 0, arch.vocab_size)
     assert r.sync.largest == 2 * arch.vocab_size * arch.hidden_size and len(r.sync.routes) == 32
+    driver = {ph.phase: {t.name: t.rehearsed for t in ph.terms} for ph in r.classes[0].phases}
+    assert driver["export"]["export in flight"] >= r.sync.largest  # a bucket (+ the parameter in flight), not the model
+    assert driver["export"]["export in flight"] < r.sync.model_bytes / 8
+    assert driver["old_logprobs"]["old-logprob gather"] == 0 and r.sync.gather.driver > 0  # on the host, over gloo
     text = rehearsal.render(r)
     assert "2,048,356,352" in text and "| startup | rollout | sync | old_logprobs | train | export |" in text
     assert "OK: every rank" in text
