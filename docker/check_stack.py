@@ -3,6 +3,7 @@
     python docker/check_stack.py                          # every pin (and apex's commit, where pip recorded it)
     python docker/check_stack.py torch sglang sglang-kernel flashinfer-python   # only these
     python docker/check_stack.py --without apex           # every pin but apex
+    python docker/check_stack.py --python 3.12            # this Python is 3.12, and 3.12 is one every pin accepts
 
 Reads versions from package metadata (nothing is imported, so it runs without a GPU, e.g. while building the image).
 Exit status 1 if any differs or is missing. Standard library only.
@@ -17,6 +18,10 @@ import sys
 from pathlib import Path
 
 GPU_TXT = Path(__file__).resolve().parent.parent / "requirements" / "gpu.txt"
+# Requires-Python of the pins (pip refuses a pin whose range excludes the running Python, deep into the build):
+# megatron-core 0.19: Megatron-LM core_r0.19.0 pyproject.toml:26; sglang 0.5.23: its METADATA (the pins test compares
+# it with the installed one); transformer-engine 2.19.0: release_v2.19 build_tools/utils.py:25 (python_requires).
+REQUIRES_PYTHON = {"megatron-core": ">=3.12", "sglang": ">=3.11", "transformer-engine": ">=3.10"}
 APEX_LINE = re.compile(r"^#\s*apex @ git\+https://github\.com/NVIDIA/apex\.git@([0-9a-f]{40})\s*$")
 
 
@@ -69,7 +74,42 @@ def problems(pins: dict[str, str], only: list[str] | None = None, without: tuple
     return out
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = tuple(int(p) for p in text.split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+def python_problems(version: str, requires: dict[str, str] = REQUIRES_PYTHON) -> list[str]:
+    """The pins whose Requires-Python (``>=``, ``>``, ``<=``, ``<``, ``==``, ``!=`` clauses) excludes ``version``."""
+    ops = {">=": tuple.__ge__, "<=": tuple.__le__, "==": tuple.__eq__, "!=": tuple.__ne__, ">": tuple.__gt__,
+           "<": tuple.__lt__}  # fmt: skip
+    out = []
+    for name, spec in sorted(requires.items()):
+        for clause in (c.strip() for c in spec.split(",")):
+            op = next(o for o in ops if clause.startswith(o))
+            if not ops[op](_version(version), _version(clause[len(op) :])):
+                out.append(f"python {version}: {name} requires Python {spec}")
+    return out
+
+
+def check_python(want: str, running: str | None = None) -> list[str]:
+    """``want`` (the image's ARG PYTHON_VERSION, major.minor) is the running Python's and one every pin accepts."""
+    running = running or ".".join(map(str, sys.version_info[:3]))
+    out = python_problems(want)
+    if running.split(".")[:2] != want.split(".")[:2]:
+        out.append(f"python {running} runs here, the pins were chosen for Python {want} (docker/Dockerfile "
+                   "ARG PYTHON_VERSION): use a base image with that Python")  # fmt: skip
+    return out
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--python"]:
+        bad = check_python(argv[1])
+        for line in bad:
+            print(f"check_stack: {line}", file=sys.stderr)
+        if not bad:
+            print(f"check_stack: Python {argv[1]}, as every pin requires ({REQUIRES_PYTHON})")
+        return 1 if bad else 0
     without = tuple(argv[argv.index("--without") + 1 :]) if "--without" in argv else ()
     only = argv[: argv.index("--without")] if "--without" in argv else argv
     bad = problems(read_pins(), only or None, without)

@@ -105,6 +105,7 @@ class RolloutConfig:
     # the control plane: how long ranks other than rank 0 wait (gloo group, never NCCL) while rank 0 generates,
     # evaluates or syncs weights: sized to the longest such phase (32B: 1,536 prompts x 16 x 20k tokens), not 10 min
     control_timeout_s: float = 6 * 3600.0
+    # SGLang: requests in flight on EACH server: what it runs at once (its max_running_requests), at most this
     max_concurrency: int = 512
     # SGLang: prompt = every sample of a prompt to one engine (radix-cache reuse), the least loaded when the prompt is
     # submitted; request = round-robin per request (bench/fanout.py compares them and sglang-router)
@@ -472,9 +473,26 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             r.schedule,
             "with rollout.colocate = true the engines share the trainer's devices and release their memory while it "
             "trains (rollout/phases.py), so nothing can generate meanwhile: use rollout.schedule=sync (with "
-            "rollout.partial=true if you like), or rollout.colocate=false (engines on their own devices; the hf "
-            "engine: its own copy of the weights, generating in a thread)",
+            "rollout.partial=true if you like), or rollout.colocate=false (SGLang: servers on their own GPUs, from "
+            "rollout.server_urls or cluster.placement=disaggregated; the hf engine: its own copy of the weights, "
+            "generating in a thread)",
         )
+    # rollout/sglang_engine.py from_config: without server_urls the trainer starts one server itself, with SGLang's
+    # default --base-gpu-id 0, i.e. on the trainer's own GPUs; uncolocated it never releases their memory. A CPU
+    # server runs on cores (nothing shared to release), and under the disaggregated placement `dapo launch` starts
+    # the servers on cluster.rollout_nodes and hands their URLs to the trainer.
+    colocated_layout = cfg.cluster.placement == "colocated"
+    if r.engine == "sglang" and r.sglang_device == "cuda" and not r.colocate and not r.server_urls and colocated_layout:
+        fail(
+            "rollout.colocate",
+            r.colocate,
+            "with rollout.server_urls empty the trainer would start its SGLang server on its own GPUs (GPU 0 on, "
+            "never releasing their memory): set rollout.server_urls=[URL, ...] (servers started on other GPUs or "
+            "nodes), or cluster.placement=disaggregated with cluster.rollout_nodes and run `dapo launch` (it "
+            "starts the servers on their own nodes), or rollout.colocate=true with rollout.schedule=sync",
+        )
+    if r.max_concurrency < 1:
+        fail("rollout.max_concurrency", r.max_concurrency, "must be >= 1 (requests in flight per server)")
     if r.max_restarts_per_step < 0:
         fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
     if not 0 < r.mem_fraction < 1:

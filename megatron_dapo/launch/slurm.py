@@ -11,8 +11,9 @@ rollout node as a background ``srun --overlap`` job step, polls each server's ``
 ``rank-exec``, which maps SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID to RANK/WORLD_SIZE/LOCAL_RANK and execs the trainer.
 All steps are supervised: if any server exits (at all) or the trainer fails, the others are terminated at once and the
 driver exits non-zero naming the node, the step and its log file. Placements: ``colocated`` (every node trains and
-serves; servers use ``--enable-memory-saver``) and ``disaggregated`` (the last ``cluster.rollout_nodes`` nodes serve,
-the others train; weights go over NCCL). With ``rollout.engine: hf`` (CPU) there are no servers.
+serves; servers use ``--enable-memory-saver``, their CUDA graphs included) and ``disaggregated`` (the last
+``cluster.rollout_nodes`` nodes serve, the others train; weights go over NCCL). With ``rollout.engine: hf`` (CPU) there
+are no servers.
 
 Servers listen on their node's address (the one the ranks use), not on all interfaces, and require the job's API key
 (``rollout/sglang_auth.py``): the supervisor makes one per job when it starts (or takes $DAPO_SGLANG_API_KEY), writes
@@ -178,12 +179,12 @@ def _fill(template: str, **values: object) -> list[str]:
     return [tok.format(**values) for tok in shlex.split(template)]
 
 
-def sglang_server_env(cfg: DapoConfig) -> dict[str, str]:
-    """The environment of every server task (``srun --export``): T=1 logprobs (the engine's convention), the platform's
-    variables and ``rollout.sglang_env``."""
-    from megatron_dapo.rollout.sglang_server import PLATFORMS, server_pythonpath
+def sglang_server_env(cfg: DapoConfig, colocated: bool) -> dict[str, str]:
+    """The environment of every server task (``srun --export``): ``sglang_server.server_env`` (colocated: with the
+    memory saver's variables, as for ``--enable-memory-saver``) and ``rollout.sglang_env``."""
+    from megatron_dapo.rollout.sglang_server import server_env, server_pythonpath
 
-    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(PLATFORMS[cfg.rollout.sglang_device].env)}
+    env = server_env(cfg.rollout.sglang_device, memory_saver=colocated)
     if cfg.rollout.sglang_pythonpath:
         env["PYTHONPATH"] = server_pythonpath(cfg.rollout.sglang_pythonpath)
     return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
@@ -320,7 +321,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
             command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         tag = node if pl.engines_per_node == 1 else f"{node}-g{e.base_gpu_id}"
         name, log = f"dapo-server-{tag}", f"{log_dir}/server-{tag}.log"
-        export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in sglang_server_env(cfg).items())])
+        task_env = sglang_server_env(cfg, placement == "colocated")
+        export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in task_env.items())])
         engine = {"index": e.index, "node": node, "base_gpu_id": e.base_gpu_id, "tp": e.tp, "port": port,
                   "senders": list(pl.routes[e.index].senders)}  # fmt: skip
         servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + [export] + command, log,

@@ -10,7 +10,9 @@ in a mode-0600 ``--config`` file next to the log (removed when the server stops)
 server's output is copied to the log with the key redacted. ``http_call`` sends it as ``Authorization: Bearer``.
 
 Servers are started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` so ``output_token_logprobs`` are the log-softmax of
-the temperature-scaled logits, the convention of ``engine.py`` (sglang 0.5.23 srt/layers/sampler.py:275). sglang itself is imported by nothing here.
+the temperature-scaled logits, the convention of ``engine.py`` (sglang 0.5.23 srt/layers/sampler.py:275), and, with
+``--enable-memory-saver`` on a GPU, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` so that sleeping frees the CUDA graphs too
+(``server_env``). sglang itself is imported by nothing here.
 """
 
 from __future__ import annotations
@@ -54,10 +56,18 @@ class Platform:
     # CUDA IPC handles name their device by UUID, as the server expects (sglang/srt/utils/patch_torch.py; the patch
     # handles CUDA tensors only: it breaks the pickling of CPU tensors)
     patch_ipc_reductions: bool = False
+    memory_saver_env: tuple[tuple[str, str], ...] = ()  # also set for servers with --enable-memory-saver (colocated)
 
 
 PLATFORMS = {
-    "cuda": Platform("cuda", (), (), tensor_device="cuda", group_backend="nccl", patch_ipc_reductions=True),
+    "cuda": Platform(
+        "cuda", (), (), tensor_device="cuda", group_backend="nccl", patch_ipc_reductions=True,
+        # --enable-memory-saver alone leaves the CUDA graphs' memory held while the server sleeps: their capture joins
+        # the memory saver (tag "cuda_graph") only when this is set (sglang 0.5.23 srt/environ.py:1645; read in
+        # srt/model_executor/runner_backend/full_cuda_graph_backend.py:123, breakable_cuda_graph_backend.py:86,
+        # cuda_graph_dedup_mixin.py:310, srt/distributed/parallel_state.py:1190). slime and verl set it too.
+        memory_saver_env=(("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1"),),
+    ),
     # The real SGLang 0.5.23 on a CPU (tests, demo_cpu_sglang). The server process also needs two import-only stand-ins
     # on its PYTHONPATH (rollout.sglang_pythonpath; see tests/sglang_cpu_support).
     "cpu": Platform(
@@ -155,7 +165,7 @@ class SGLangServer:
         self.extra_args = list(extra_args)
         _refuse_data_parallel(self.extra_args)
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "sglang.launch_server"]
-        self.env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(self.platform.env), **(env or {})}
+        self.env = {**server_env(self.platform.name, memory_saver), **(env or {})}
         if pythonpath:
             self.env["PYTHONPATH"] = server_pythonpath(pythonpath)
         self.attached = url is not None
@@ -291,6 +301,14 @@ class SGLangServer:
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def server_env(device: str, memory_saver: bool) -> dict[str, str]:
+    """The variables every server gets (before ``rollout.sglang_env``): T=1 logprobs (the engine's convention), the
+    platform's, and with ``--enable-memory-saver`` the platform's memory-saver ones; the Slurm launcher uses the same."""
+    platform = PLATFORMS[device]
+    saver = platform.memory_saver_env if memory_saver else ()
+    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **dict(platform.env), **dict(saver)}
 
 
 def server_pythonpath(paths: Sequence[str | Path]) -> str:

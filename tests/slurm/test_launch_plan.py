@@ -111,7 +111,8 @@ def test_colocated_plan_16_nodes():
         assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--enable-memory-saver" in cmd  # SGLang: dp 1
         assert f"--base-gpu-id {base}" in cmd and s.engine["base_gpu_id"] == base
         assert s.engine["senders"] == list(range(i * 4, i * 4 + 4))  # the trainer ranks on the engine's GPUs
-        assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s.srun  # tempered logprobs, the engine convention
+        # tempered logprobs (the engine's convention); the CUDA graphs released with the rest while the server sleeps
+        assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0,SGLANG_MEMORY_SAVER_CUDA_GRAPH=1" in s.srun
         assert "--enable-deterministic-inference" in cmd  # else SGLang ignores sampling_seed
         assert f"--port {port}" in cmd and f"--nccl-port {port + 1}" in cmd and "--mem-fraction-static 0.6" in cmd
         # locked down: the node's address (dry run: its name), the key in a file, the output redacted by the wrapper
@@ -142,6 +143,7 @@ def test_disaggregated_plan():
     assert plan.rollout_nodes == [f"node{i}" for i in range(13, 17)]
     assert plan.world_size == 12 * 8 and plan.dp == 96 // (8 * 1 * 2)
     assert all("--enable-memory-saver" not in s.command for s in plan.servers)
+    assert all("--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0" in s.srun for s in plan.servers)  # no memory saver
     assert "--nodelist=" + ",".join(plan.train_nodes) in plan.trainer.srun
 
 
@@ -400,13 +402,15 @@ def test_dapo_32b_dry_run_shows_engines_sync_plan_and_phase_memory(tmp_path):
         assert {r // 8 for r in route["senders"]} == {route["node"]} and route["transport"] == "cuda_ipc"
     assert [s["engine"]["base_gpu_id"] for s in js["servers"]] == [0, 4] * 16
     phases = js["memory"]["phases"]
-    assert set(phases) == {"rollout", "train"} and js["memory"]["fits"]
+    assert set(phases) == {"rollout", "train", "startup"} and js["memory"]["fits"]
     assert all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
     rollout = phases["rollout"]["terms_gib"]
     assert rollout["trainer grads"] == rollout["trainer optimizer"] == 0  # offloaded to the host for the rollout
-    assert 52 < rollout["SGLang weights"] + rollout["SGLang KV cache"] < 53  # mem_fraction 0.66 x 80 GiB
+    assert 49 < rollout["SGLang weights"] + rollout["SGLang KV cache"] < 50  # mem_fraction 0.62 x 80 GiB
+    startup = phases["startup"]["terms_gib"]  # before the first release: the trainer's whole state beside SGLang's
+    assert startup["trainer grads"] > 7 and startup["trainer optimizer"] > 2 and startup["SGLang CUDA graphs"] == 2.0
     assert phases["train"]["terms_gib"]["SGLang (released)"] == 2.0
-    for phase, peak in (("rollout", phases["rollout"]["peak_gib"]), ("train", phases["train"]["peak_gib"])):
+    for phase, peak in ((name, phases[name]["peak_gib"]) for name in ("rollout", "train", "startup")):
         assert f"  {phase} phase: " in text and f"= {peak:.1f} GiB: fits" in text
 
 
@@ -416,8 +420,9 @@ _TRAINER_W = 2_048_356_352 * 2 / 2**30  # bf16: 3.82
 _TRAINER_G = 2_048_356_352 * 4 / 2**30  # fp32 main grads: 7.63
 _TRAINER_OPT = 2_048_356_352 * 12 / 8 / 2**30  # fp32 master + 2 Adam moments over DP 8: 2.86
 _SGLANG_W = 32_763_876_352 * 2 / 4 / 2**30  # bf16 over rollout TP4: 15.26
-# rollout phase at mem_fraction 0.9: trainer weights + SGLang's 0.9 × 80 GiB (weights, the rest KV) + 5 GiB overhead
-_ROLLOUT_REFUSAL = (f"rollout phase: peak {_TRAINER_W + 0.9 * 80 + 5.0:.1f} GiB > 76.0 GiB usable (SGLang KV cache "
+# rollout phase at mem_fraction 0.9: trainer weights + SGLang's 0.9 × 80 GiB (weights, the rest KV) + its 2 GiB of CUDA
+# graphs + 5 GiB overhead
+_ROLLOUT_REFUSAL = (f"rollout phase: peak {_TRAINER_W + 0.9 * 80 + 2.0 + 5.0:.1f} GiB > 76.0 GiB usable (SGLang KV cache "
                     f"{0.9 * 80 - _SGLANG_W:.1f}, SGLang weights {_SGLANG_W:.1f}, overhead 5.0 GiB)")  # fmt: skip
 
 
@@ -429,7 +434,7 @@ def test_layout_predicted_not_to_fit_is_refused_before_any_step(override, phase,
     import re
 
     with pytest.raises(LaunchError, match="predicted not to fit") as err:
-        plan_for("parallel.pp=2", "parallel.cp=1", override, nodes=16)
+        plan_for("parallel.pp=2", "parallel.cp=1", override, "cluster.memory_check=true", nodes=16)
     assert phase in str(err.value) and "cluster.memory_check=false" in str(err.value)
     if phase == "train phase":  # the parameter terms by hand; the activations (the memory model's) fill the rest
         m = re.search(r"train phase: peak ([\d.]+) GiB > 76\.0 GiB usable \(trainer activations ([\d.]+), trainer "
@@ -441,7 +446,8 @@ def test_layout_predicted_not_to_fit_is_refused_before_any_step(override, phase,
         assert peak > 76.0
     plan = plan_for("parallel.pp=2", "parallel.cp=1", override, "cluster.memory_check=false", nodes=16)
     assert not plan.memory["fits"] and len(plan.servers) == 32
-    out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2", "parallel.cp=1", override)
+    out = _cli("--recipe", R32, "--dry-run", "--nodes", "16", "parallel.pp=2", "parallel.cp=1", override,
+               "cluster.memory_check=true")  # fmt: skip
     assert out.returncode == 2 and phase in out.stderr and out.stdout == ""
 
 

@@ -145,3 +145,51 @@ def test_check_stack_refuses_a_range(tmp_path):
     bad.write_text("torch>=2.14\n")
     with pytest.raises(ValueError, match="expected name==version"):
         check_stack.read_pins(bad)
+
+
+def _run_steps() -> list[str]:
+    """The Dockerfile's RUN steps, continuation lines joined."""
+    return [m.replace("\\\n", " ") for m in re.findall(r"^RUN (?:[^\n]*\\\n)*[^\n]*", DOCKERFILE, re.M)]
+
+
+def test_dockerfile_builds_te_without_nccl_ep_and_with_nccl_headers():
+    """TE 2.19's torch extension compiles NCCL EP unless NVTE_WITH_NCCL_EP=0 (build_tools/pytorch.py:92) and always
+    includes nccl.h (transformer_engine/pytorch/csrc/extensions.h:10)."""
+    (te,) = [step for step in _run_steps() if "transformer-engine[" in step]
+    assert re.search(r"\bNVTE_WITH_NCCL_EP=0 ", te), te
+    # nccl.h is looked for before the build, put on the compiler's path, and its absence stops the build
+    assert re.search(r'CPATH="\$\{NCCL_INCLUDE\}', te) and "nccl.h" in te and "exit 1" in te
+    assert te.index("exit 1") < te.index("pip install")
+
+
+def test_dockerfile_checks_the_python_every_pin_requires():
+    args = _dockerfile_args()
+    want = args.get("PYTHON_VERSION")
+    assert want and re.fullmatch(r"3\.\d+", want), "docker/Dockerfile needs ARG PYTHON_VERSION=3.N"
+    steps = _run_steps()
+    checks = [i for i, step in enumerate(steps) if 'check_stack.py --python "${PYTHON_VERSION}"' in step]
+    first_pip = min(i for i, step in enumerate(steps) if "pip install" in step)
+    assert checks and checks[0] < first_pip, "the Python check runs before anything is installed"
+    # the version agrees with the pins' Requires-Python, and with the one requirements/gpu.txt states
+    assert set(check_stack.REQUIRES_PYTHON) <= set(PINS)
+    assert check_stack.python_problems(want) == []
+    stated = re.search(r"^# .*\bPython (3\.\d+)\b", (REPO / "requirements" / "gpu.txt").read_text(), re.M)
+    assert stated and stated[1] == want
+    # the check itself: a Python a pin excludes, and a base image with another Python, are named
+    older = f"3.{int(want.split('.')[1]) - 1}"
+    assert any("megatron-core requires Python >=3.12" in p for p in check_stack.python_problems("3.11"))
+    assert check_stack.check_python(want, running=f"{want}.4") == []
+    assert "ARG PYTHON_VERSION" in " ".join(check_stack.check_python(want, running=f"{older}.9"))
+    assert check_stack.python_problems("3.13", {"x": ">=3.10,<3.13"}) == ["python 3.13: x requires Python >=3.10,<3.13"]
+
+
+@pytest.mark.parametrize("name", sorted(check_stack.REQUIRES_PYTHON))
+def test_requires_python_is_the_installed_metadata(name):
+    """The recorded Requires-Python of each pin, against its installed metadata where this is the pinned release."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{name} is not installed here")
+    if dist.version.split("+")[0] != PINS[name]:
+        pytest.skip(f"{name} {dist.version} installed, the pin is {PINS[name]}")
+    assert dist.metadata["Requires-Python"].replace(" ", "") == check_stack.REQUIRES_PYTHON[name]
