@@ -9,9 +9,9 @@
 * ``SGLangServer`` (``sglang_server.py``): one ``python -m sglang.launch_server`` subprocess (own process group, log
   file) or an attached URL. ``wait_healthy`` polls /health and fails with the log tail; ``stop`` signals only its own
   process group.
-* ``SGLangEngine``: one HTTP request per sample (rid, ``sampling_seed``), bounded by ``max_concurrency`` threads
-  (stdlib ``urllib``: no aiohttp/httpx dependency). /generate goes to ``router_url`` (sglang-router) when given,
-  else, with ``fanout="prompt"`` (``rollout.fanout``, the default), every sample of a prompt to one worker (its radix
+* ``SGLangEngine``: one HTTP request per sample (rid, ``sampling_seed``; stdlib ``urllib``), each worker with its own
+  pool of ``per_server_concurrency`` threads (what it runs at once, capped by ``max_concurrency``). /generate goes to
+  ``router_url`` (sglang-router) when given, else, with ``fanout="prompt"`` (``rollout.fanout``, the default), every sample of a prompt to one worker (its radix
   cache prefills the prompt once), the worker with the fewest requests assigned and unfinished when the prompt is
   submitted, so every engine's batch stays full; ``fanout="request"`` is round-robin per request
   (``bench/fanout.py`` measures both and sglang-router on real CPU servers). Weight-sync, memory and abort calls
@@ -58,6 +58,33 @@ from megatron_dapo.rollout.sglang_server import (
 )
 
 log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Requests in flight per server
+
+
+def server_capacity(url: str, timeout: float = 60.0) -> int | None:
+    """The requests a server runs at once: its schedulers' ``effective_max_running_requests_per_dp`` in /server_info's
+    ``internal_states`` (sglang 0.5.23 ``scheduler_components/internal_state.py``: the scheduler's
+    ``max_running_requests``, derived from its KV pool unless set), else the configured ``max_running_requests``;
+    None when it answers neither."""
+    try:
+        info = http_call(url, "/server_info", None, timeout)
+    except RolloutError as e:
+        log.warning("%s: no /server_info (%s): its requests in flight fall back to rollout.max_concurrency", url, e)
+        return None
+    info = info if isinstance(info, dict) else {}
+    n = sum(int(s.get("effective_max_running_requests_per_dp") or 0) for s in info.get("internal_states") or [])
+    return n or (int(info["max_running_requests"]) if info.get("max_running_requests") else None)
+
+
+def per_server_concurrency(cfg, server_capacity: int | None = None) -> int:
+    """Requests the engine keeps in flight on ONE server: what the server runs at once (``server_capacity``), capped
+    by ``rollout.max_concurrency`` (``cfg``: the config, or that cap); the cap alone when the server reports nothing.
+    Each server has its own bound: a pool shared by all would leave ~cap / servers requests on each."""
+    cap = int(cfg.rollout.max_concurrency if hasattr(cfg, "rollout") else cfg)
+    return max(1, min(cap, server_capacity) if server_capacity else cap)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The engine
@@ -110,15 +137,18 @@ class SGLangEngine:
         self.max_restarts_per_step = max_restarts_per_step  # None: no limit
         self.step_restarts = 0
         self.metrics = {"requests": 0, "reissued": 0, "restarts": 0, "aborted": 0}
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-req")
+        self.max_concurrency = max_concurrency  # the cap on each worker's requests in flight
+        self.concurrency: dict[str, int] = {}  # url -> requests in flight at most (per_server_concurrency)
+        self._pools: dict[str, cf.ThreadPoolExecutor] = {}  # url (a worker's, or the router's) -> its requests' threads
         self._on_shutdown: list[Callable[[], None]] = []  # run before the servers stop (weight-sync groups close)
         self._lock = threading.Lock()
         self._rr = 0
         self.fanout = fanout
         self._assigned: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> rids sent, unfinished
         self._version = 0
-        self._inflight: dict[str, str] = {}  # rid -> URL it was sent to
+        self._inflight: dict[str, tuple[str, int]] = {}  # rid -> (URL it was sent to, its abort generation)
         self._abort_gen = 0  # bumped by abort(); requests of an older generation are dropped
+        self._abort_gate = threading.Lock()  # held while abort_all calls are on their way: no request starts
         self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
         if start:
             self.start()
@@ -173,6 +203,20 @@ class SGLangEngine:
                 s.start()
         for s in self.servers:
             s.wait_healthy(self.server_timeout)
+        self._ensure_pools()
+
+    def _ensure_pools(self) -> None:
+        """A pool per worker, sized from what it reports it can run (once per worker); the router's: their sum."""
+        new = [s for s in self.servers if s.url not in self.concurrency]
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(new))) as ex:
+            caps = list(ex.map(lambda s: server_capacity(s.url, self.server_timeout), new))
+        for s, cap in zip(new, caps):
+            self.concurrency[s.url] = per_server_concurrency(self.max_concurrency, cap)
+            self._pools[s.url] = cf.ThreadPoolExecutor(self.concurrency[s.url], thread_name_prefix="sglang-req")
+            log.info("%s: %s requests in flight (reports capacity %s)", s.url, self.concurrency[s.url], cap)
+        if self.router_url and self.router_url not in self._pools:
+            total = sum(self.concurrency[s.url] for s in self.servers)
+            self._pools[self.router_url] = cf.ThreadPoolExecutor(total, thread_name_prefix="sglang-req")
 
     def shutdown(self, stop_servers: bool = True) -> None:
         """Abort what is in flight and, unless ``stop_servers`` is False, stop the servers this engine started."""
@@ -183,7 +227,8 @@ class SGLangEngine:
         if stop_servers:
             for s in self.servers:
                 s.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def on_shutdown(self, close: Callable[[], None]) -> None:
         """Run ``close`` at ``shutdown``, while the servers still answer (a transport's process group)."""
@@ -264,13 +309,17 @@ class SGLangEngine:
                 f.result()
 
     def wait_idle(self, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
-        """Until every worker's /v1/loads shows no running and no waiting request; RolloutError naming the busy ones."""
+        """Until no aborted request of this engine is unanswered (each re-aborted: it may have reached its worker
+        after the abort, and a worker's load is 0 until it arrives) and every worker's /v1/loads shows no running
+        and no waiting request; RolloutError naming the busy ones."""
         deadline = time.monotonic() + timeout_s
         while True:
+            stale = self._reabort_stale()
             answers = self.call_workers("/v1/loads?include=core", None)
             busy = [f"{s.url}: {load.get('num_running_reqs')} running, {load.get('num_waiting_reqs')} waiting"
                     for s, ans in zip(self.servers, answers) for load in (ans or {}).get("loads", [])
                     if load.get("num_running_reqs") or load.get("num_waiting_reqs")]  # fmt: skip
+            busy += [f"{stale} aborted requests not answered yet"] if stale else []
             if not busy:
                 return
             if time.monotonic() > deadline:
@@ -322,6 +371,7 @@ class SGLangEngine:
             if not p:
                 raise RolloutError(f"prompt {i} is empty")
         self.wake()  # what the phases left released until now (KV cache, CUDA graphs: resumed after the sync)
+        self._ensure_pools()
         gen = self._abort_gen
         tag = uuid.uuid4().hex[:12]
         attempts: dict[tuple[int, int], int] = {}
@@ -335,7 +385,7 @@ class SGLangEngine:
             rid = f"{tag}-{p}-{j}-{attempts[key]}"
             req = self._request(prompts[p], sampling, sample_seed(sampling.seed, p, j), rid)
             url = self._pick_url(routes, p, rid, retry=attempts[key] > 1)
-            pending[self._pool.submit(self._run, key, req, gen, url)] = (rid, url)
+            pending[self._pools[url].submit(self._run, key, req, gen, url)] = (rid, url)
 
         for p in range(len(prompts)):
             for j in range(n):
@@ -381,6 +431,7 @@ class SGLangEngine:
             if not r.input_ids or r.max_new_tokens < 1:
                 raise RolloutError(f"request {i}: empty input or a budget of {r.max_new_tokens} tokens")
         self.wake()  # as generate_stream
+        self._ensure_pools()
         gen, tag = self._abort_gen, uuid.uuid4().hex[:12]
         attempts: dict[int, int] = {}
         pending: dict[cf.Future, int] = {}
@@ -392,14 +443,14 @@ class SGLangEngine:
             req = self._request(requests[i].input_ids, sampling, requests[i].seed, rid)
             req.sampling_params.max_new_tokens = requests[i].max_new_tokens
             url = self._pick_url(routes, requests[i].route, rid, retry=attempts[i] > 1)
-            pending[self._pool.submit(self._run, (i, 0), req, gen, url)] = i
+            pending[self._pools[url].submit(self._run, (i, 0), req, gen, url)] = i
 
         for i in range(len(requests)):
             submit(i)
         while pending:
             finished, _ = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
             if not finished and self._abort_gen != gen:
-                self.abort()  # an abort that reached a server before its request did: once more
+                self._reabort_stale()  # an abort that reached a server before its request did: once more
             for fut in finished:
                 i = pending.pop(fut)
                 result = fut.result()
@@ -454,10 +505,12 @@ class SGLangEngine:
 
     def _run(self, key: tuple[int, int], req: T.GenerateRequest, gen: int, url: str) -> Sample | _Failed:
         rid = str(req.rid)
-        with self._lock:  # one look at the abort generation: a request the pool starts after abort() is never sent
+        # one look at the abort generation: a request the pool starts after abort() is never sent; none is sent while
+        # an abort_all is on its way (it would end the request too)
+        with self._abort_gate, self._lock:
             cancelled = self._abort_gen != gen
             if not cancelled:
-                self._inflight[rid] = url
+                self._inflight[rid] = (url, gen)
                 self.metrics["requests"] += 1  # requests sent
         try:
             if cancelled:
@@ -496,22 +549,57 @@ class SGLangEngine:
         )
 
     def abort(self) -> None:
-        """Drop every request in flight: unstarted ones are cancelled, running ones get /abort_request by rid."""
-        with self._lock:
-            self._abort_gen += 1
-            inflight = dict(self._inflight)
-        urls_by_rid = {rid: ([u] if u != self.router_url else self.worker_urls) for rid, u in inflight.items()}
-        calls = [(u, rid) for rid, urls in urls_by_rid.items() for u in urls]
+        """Drop every request in flight: unstarted ones are cancelled, the workers abort all they hold
+        (``abort_all``), and what reaches a worker after that is aborted as it arrives (``_reabort_stale``).
+
+        SGLang 0.5.23 drops an abort for a rid it has not registered (``tokenizer_manager.py`` ``abort_request``: no
+        state and one tokenizer worker: return), ignores a second abort of a rid (``state.abort_sent``), and its
+        scheduler keeps no abort for a request it has not received (``scheduler.py`` ``abort_request``): a request
+        still on its way (HTTP queue, tokenization) when the abort comes would run its whole budget."""
+        with self._abort_gate:
+            with self._lock:
+                self._abort_gen += 1
+                gen = self._abort_gen
+                urls = {u for u, _ in self._inflight.values()}
+            if not urls:
+                return
+            self._abort_calls([(w, T.AbortRequest(abort_all=True)) for w in self._workers_of(urls)])
+        threading.Thread(target=self._reabort_until_back, args=(gen,), name="sglang-reabort", daemon=True).start()
+
+    def _workers_of(self, urls: Iterable[str]) -> list[str]:  # a router's URL: every worker (it 404s aborts)
+        return sorted({w for u in urls for w in (self.worker_urls if u == self.router_url else [u])})
+
+    def _abort_calls(self, calls: list[tuple[str, T.AbortRequest]]) -> None:
         if not calls:
             return
-        with cf.ThreadPoolExecutor(max_workers=min(32, len(calls))) as ex:
-            for fut in [
-                ex.submit(http_call, u, "/abort_request", T.AbortRequest(rid=rid).to_json(), 30) for u, rid in calls
-            ]:
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(32, len(calls)))) as ex:
+            for fut in [ex.submit(http_call, u, "/abort_request", req.to_json(), 30) for u, req in calls]:
                 try:
                     fut.result()
                 except RolloutError as e:  # a dead server has nothing left to abort
                     log.warning("abort: %s", e)
+
+    def _reabort_stale(self, before: int | None = None) -> int:
+        """Abort again each request of an aborted generation (older than ``before``, default the current one) still
+        unanswered: it may have reached its worker after the abort. A worker with no request of the current
+        generation gets ``abort_all`` (no rid left un-abortable), the others an abort by rid. Returns how many."""
+        with self._abort_gate:
+            with self._lock:
+                before = self._abort_gen if before is None else before
+                stale = [(rid, u) for rid, (u, g) in self._inflight.items() if g < before]
+                live = set(self._workers_of(u for u, g in self._inflight.values() if g == self._abort_gen))
+            stale_workers = set(self._workers_of(u for _, u in stale))
+            self._abort_calls([(w, T.AbortRequest(abort_all=True)) for w in sorted(stale_workers - live)])
+        self._abort_calls([(w, T.AbortRequest(rid=r)) for r, u in stale for w in self._workers_of([u]) if w in live])
+        return len(stale)
+
+    def _reabort_until_back(self, gen: int, poll_s: float = 0.2) -> None:
+        """Re-abort what was sent before abort generation ``gen`` until all of it has answered."""
+        deadline = time.monotonic() + self.request_timeout
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            if not self._reabort_stale(gen):
+                return
 
     def _recover(self) -> None:
         """Restart (or wait for) every unhealthy server, then resync it to the current weight version."""

@@ -62,7 +62,7 @@ def test_the_schedule_resumes_on_the_server_within_the_budget(engine):
     # two stop tokens: the random model stops after ~16 tokens on average, some run to the budget (a long tail)
     engine.tokenizer = TokenizerInfo((5, 7), 0, decode=lambda ids: " ".join(map(str, ids)))
     data = [PromptItem(i, [1, 2 + i, 3], f"p{i}", "0", "fake", []) for i in range(60)]
-    engine._pool._max_workers = 3  # fewer requests at once than the round has: later ones are behind at the cut
+    engine.max_concurrency = 3  # fewer requests at once than the round has: later ones are behind at the cut
     sched = PartialSchedule(cfg, engine, PromptIterator(data, seed=0), DynamicSampler(1, 10), Mixed())
     sent: list[GenRequest] = []
     generate = engine.generate_requests
