@@ -85,6 +85,7 @@ class SyncPlan:
     export: Any  # bridge.export.ExportPlan: tensors, bytes, buckets, shards, peak bytes per rank
     gather: Any  # actor.gather.GatherBytes of the old-logprob pass, every response at full length
     routes: list[dict]
+    concurrency: int = 0  # requests the SGLang engine keeps in flight on each server (0: not SGLang)
 
     @property
     def largest(self) -> int:
@@ -125,7 +126,12 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
                                   cp=p.cp)  # fmt: skip
     routes = [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
                "transport": r.transport} for r in placement.routes]  # fmt: skip
-    return SyncPlan(export, gather, routes)
+    concurrency = 0
+    if cfg.rollout.engine == "sglang":
+        from megatron_dapo.rollout.sglang_engine import per_server_concurrency
+
+        concurrency = per_server_concurrency(cfg)
+    return SyncPlan(export, gather, routes, concurrency)
 
 
 def _role(rank: int, placement) -> str:
@@ -256,6 +262,9 @@ def render(result: Rehearsal) -> str:
                  f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines")  # fmt: skip
     g = s.gather
     lines.append(f"{s.export.describe()}")
+    if s.concurrency:
+        lines.append(f"rollout: each of the {len(s.routes)} engines keeps up to {s.concurrency} requests in flight "
+                     "(rollout.max_concurrency, or less where a server reports a smaller max_running_requests)")  # fmt: skip
     lines.append(f"old-logprob gather (every response at full length): 0 GiB on the GPUs; host {g.driver / gib:.2f} GiB "
                  f"on rank 0, {g.share / gib:.2f} GiB on the others (all_gather_object on the default group held "
                  f"{g.replaced_device / gib:.1f} GiB on every GPU)")  # fmt: skip
@@ -282,7 +291,7 @@ def as_dict(result: Rehearsal) -> dict:
         "recipe": result.recipe, "nodes": result.nodes, "gpus_per_node": result.gpus_per_node, "world": result.world,
         "ok": result.ok, "failures": result.failures, "seconds": result.seconds,
         "sync": {"export": dataclasses.asdict(result.sync.export), "gather": dataclasses.asdict(result.sync.gather),
-                 "routes": result.sync.routes},
+                 "routes": result.sync.routes, "concurrency_per_server": result.sync.concurrency},
         "classes": [{"stage": c.stage, "role": c.role, "ranks": c.ranks, "params": c.build.params,
                      "param_bytes": c.build.param_bytes,
                      "phases": {ph.phase: {"rehearsed": ph.rehearsed, "model": ph.model,

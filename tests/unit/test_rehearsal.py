@@ -41,7 +41,7 @@ def test_dapo_32b_every_rank_built_placed_and_counted(dapo_32b):
     assert driver["old_logprobs"]["old-logprob gather"] == 0 and r.sync.gather.driver > 0  # on the host, over gloo
     text = rehearsal.render(r)
     assert "2,048,356,352" in text and "| startup | rollout | sync | old_logprobs | train | export |" in text
-    assert "OK: every rank" in text
+    assert "OK: every rank" in text and "each of the 32 engines keeps up to 512 requests in flight" in text
     startup = {ph.phase: ph for ph in r.classes[0].phases}["startup"]
     assert 70 * GiB < startup.rehearsed < r.usable  # the start-up peak is the tightest phase, and it fits
 
