@@ -7,8 +7,9 @@ launch plan shows them, and each phase's predicted peak memory (``plan.evaluate_
 
 Colocated, a GPU holds two phases in turn (``placement.to_rollout()`` / ``to_train()``): *rollout* = the trainer's
 weights (grads and optimizer states offloaded to the host) + the SGLang engine's weights and KV cache
-(``rollout.mem_fraction`` of the GPU) + overhead; *train* = the trainer's peak + what a released engine keeps. A layout
-whose peak exceeds 95% of ``cluster.gpu_mem_gb`` in either phase is refused before any step starts
+(``rollout.mem_fraction`` of the GPU) and its CUDA graphs + overhead; *train* = the trainer's peak + what a released
+engine keeps; and once, at *start-up*, before the engines first release, the trainer's whole state beside them. A layout
+whose peak exceeds 95% of ``cluster.gpu_mem_gb`` in any of them is refused before any step starts
 (``cluster.memory_check = false`` launches it anyway).
 """
 
