@@ -4,7 +4,7 @@ trainer trains (``rollout.schedule: one_step_off | async``).
     schedule = make_schedule(cfg, engine, prompts, sampler, scorer)
     seqs, (metrics, stats) = schedule.next_batch(step)   # the batch made for this step; the producer runs on
     ...train...
-    schedule.before_sync()                    # the producer stops at the end of its batch: the engines go idle
+    schedule.before_sync()                    # every rank: rank 0's producer ends its batch, the others wait (gloo)
     driver.sync_weights(actor, version=step); schedule.weights_updated(step)
     extra = schedule.state_dict()             # batches made but not trained, carried samples, the prompt cursor
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from megatron_dapo.algo.offpolicy import version_lag_stats
 from megatron_dapo.batch import Group, to_sequences
 from megatron_dapo.config import ConfigError
+from megatron_dapo.rollout.driver import on_driver
 
 
 @dataclass
@@ -97,9 +98,16 @@ class AsyncSchedule:
         return seqs, (metrics, batch.stats)
 
     def before_sync(self) -> None:
-        """The boundary: the engines go idle for the weight sync. one_step_off first waits until the producer has made
-        the batch it may make on these weights (step k+1's on v_{k-1}, whatever the timing: reproducible); async
-        waits only for the batch in progress (how far ahead it got, up to its bound, depends on the timing)."""
+        """The boundary, on every rank: the engines go idle for the weight sync. Rank 0 waits for its producer while
+        the other ranks wait on the control plane (gloo, ``rollout.control_timeout_s``), not in the sync's collectives
+        on the default group (NCCL on GPU: ``parallel.collective_timeout_s``, whose watchdog kills a rank that waits
+        longer than a generation may take); a producer error reaches every rank."""
+        on_driver(self._drain)
+
+    def _drain(self) -> None:
+        """Rank 0: one_step_off first waits until the producer has made the batch it may make on these weights (step
+        k+1's on v_{k-1}, whatever the timing: reproducible); async waits only for the batch in progress (how far
+        ahead it got, up to its bound, depends on the timing)."""
         with self._cond:
             if self.strict and self._thread is not None and not self._paused:
                 while self._error is None and (self._busy or self._may_start()):

@@ -3,7 +3,7 @@
     schedule = make_schedule(cfg, engine, prompts, sampler, scorer)   # every rank; only rank 0 generates
     seqs, (metrics, stats) = schedule.next_batch(step)   # rank 0: B groups judged complete, as training sequences
     ...train...
-    schedule.before_sync()                                # every rank: engines idle for the sync (no-op here)
+    schedule.before_sync()                                # every rank: engines idle, ranks met (control plane)
     schedule.weights_updated(version)                     # every rank, once the engines hold ``version``
     extra = schedule.state_dict()                         # prompt cursor, sampler counters, carried samples
 
@@ -34,6 +34,7 @@ from megatron_dapo.batch import Group, group_from_samples, to_sequences
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.rollout.async_schedule import AsyncSchedule
+from megatron_dapo.rollout.driver import on_driver
 from megatron_dapo.rollout.engine import GenRequest, SamplingParams, sample_seed
 
 
@@ -64,7 +65,14 @@ class SyncSchedule:
         return {}
 
     def before_sync(self) -> None:
-        """Nothing generates between steps here (one_step_off/async: wait for the batch in progress)."""
+        """Every rank: the ranks meet on the control plane (gloo, ``rollout.control_timeout_s``) before the sync's
+        collectives on the default group (NCCL on GPU, ``parallel.collective_timeout_s``), so none waits there for
+        rank 0; an error of rank 0's reaches every rank. Nothing generates between steps here (one_step_off/async:
+        rank 0 first waits for the batch in progress)."""
+        on_driver(self._drain)
+
+    def _drain(self) -> None:
+        """Rank 0: the engines idle before the weight sync."""
 
     def weights_updated(self, version: int) -> None:
         self.version = int(version)
@@ -223,28 +231,38 @@ class PartialSchedule(SyncSchedule):
                 requests.append(GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget,
                                            sample_seed(sampling.seed, gi, j), route=gi))  # fmt: skip
                 owners.append((gi, j))
-        finished = 0
+        finished, stops = 0, self._stop_ids(sampling)
         if requests and not cut:  # else the carried complete groups filled the batch: the rest waits a step
             self._step["resumed_samples"] += sum(len(r.input_ids) > len(entries[gi].item.prompt_ids)
                                                  for r, (gi, _) in zip(requests, owners))  # fmt: skip
             for s in engine.generate_requests(requests, sampling):
                 gi, j = owners[s.prompt_index]
                 slot = entries[gi].slots[j]
-                self._extend(slot, s, max_new)
+                self._extend(slot, s, max_new, stops)
                 finished += slot.finished
                 if not cut and entries[gi].complete and judge(gi):
                     cut = True
                     engine.abort()  # the first informative groups in prompt order are in: keep the rest for later
         return judged, collector, finished
 
-    def _extend(self, slot: Slot, s, max_new: int) -> None:
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        """The tokens that end a sample: the tokenizer's EOS ids and the sampling's stop ids (what the engines send)."""
+        eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_ids", ())
+        return frozenset(eos) | frozenset(sampling.stop_token_ids)
+
+    def _extend(self, slot: Slot, s, max_new: int, stops: frozenset[int] = frozenset()) -> None:
         if slot.response_ids and s.response_ids:
             slot.resumed += 1
         slot.response_ids += list(s.response_ids)
         slot.logprobs += list(s.logprobs)
         slot.versions += [self.version] * len(s.response_ids)
         slot.finish_reason = s.finish_reason
-        if slot.finish_reason == "abort" and len(slot.response_ids) >= max_new:
+        if slot.finish_reason == "abort" and slot.response_ids and slot.response_ids[-1] in stops:
+            # SGLang runs an aborted request one more decode step and reports "abort" even when that step emitted EOS
+            # (sglang/srt/managers/scheduler.py:5803, schedule_batch.py:2011 checks to_finish before stop tokens):
+            # it ended, and a stop beats the length cap as in SGLang's own order (schedule_batch.py:2030)
+            slot.finish_reason = "stop"
+        elif slot.finish_reason == "abort" and len(slot.response_ids) >= max_new:
             slot.finish_reason = "length"  # aborted on its last token: it has its whole budget
         check_total_length(len(slot.response_ids), max_new)
         info = getattr(self.engine, "tokenizer", None)
