@@ -128,7 +128,7 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
                "transport": r.transport} for r in placement.routes]  # fmt: skip
     concurrency = 0
     if cfg.rollout.engine == "sglang":
-        from megatron_dapo.rollout.sglang_engine import per_server_concurrency
+        from megatron_dapo.rollout.sglang_capacity import per_server_concurrency
 
         concurrency = per_server_concurrency(cfg)
     return SyncPlan(export, gather, routes, concurrency)
@@ -148,7 +148,7 @@ def _role(rank: int, placement) -> str:
 def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[PhaseRow]:
     """Each phase's terms on one GPU of ``cls``: built-model bytes beside the memory model's (``layout``: plan.Plan)."""
     b, o, r = cls.build, layout.options, layout.rollout
-    stage = next(m for m in layout.stages if m.stage == (0 if b.first_stage else max(s.stage for s in layout.stages)))
+    stage = next(m for m in layout.stages if m.stage == b.pp)  # evaluate_layout models every stage
     colocated = cfg.cluster.placement == "colocated"
     fp8 = 2.0 * b.gemm_params if cfg.model.fp8 else 0.0
     opt_div = layout.dp * layout.cp if layout.distributed_optimizer else 1
@@ -188,7 +188,8 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
         PhaseRow("sync", [weights, off_grads, off_optim, engine_weights, bucket, overhead]),
         PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, released, overhead]),
         PhaseRow("train", [weights, grads, optim, acts, logits, released, overhead]),
-        PhaseRow("export", [weights, off_grads, off_optim, engine_weights, export, overhead]),
+        # the run's last step evaluates (the engines resume their KV cache and graphs) before it saves and exports
+        PhaseRow("export", [weights, off_grads, off_optim, engine_weights, kv, graphs, export, overhead]),
     ]
 
 

@@ -28,9 +28,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -48,43 +46,22 @@ from megatron_dapo.rollout.engine import (
     TokenizerInfo,
     sample_seed,
 )
+from megatron_dapo.rollout.sglang_capacity import (
+    fit_open_files,
+    open_file_budget,
+    per_server_concurrency,
+    server_capacity,
+)
 from megatron_dapo.rollout.sglang_server import (
     DTYPE_NAMES,
     ServerRequestError,
     ServerUnavailable,
     SGLangServer,
     http_call,
-    server_args,
+    servers_from_config,
 )
 
 log = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Requests in flight per server
-
-
-def server_capacity(url: str, timeout: float = 60.0) -> int | None:
-    """The requests a server runs at once: its schedulers' ``effective_max_running_requests_per_dp`` in /server_info's
-    ``internal_states`` (sglang 0.5.23 ``scheduler_components/internal_state.py``: the scheduler's
-    ``max_running_requests``, derived from its KV pool unless set), else the configured ``max_running_requests``;
-    None when it answers neither."""
-    try:
-        info = http_call(url, "/server_info", None, timeout)
-    except RolloutError as e:
-        log.warning("%s: no /server_info (%s): its requests in flight fall back to rollout.max_concurrency", url, e)
-        return None
-    info = info if isinstance(info, dict) else {}
-    n = sum(int(s.get("effective_max_running_requests_per_dp") or 0) for s in info.get("internal_states") or [])
-    return n or (int(info["max_running_requests"]) if info.get("max_running_requests") else None)
-
-
-def per_server_concurrency(cfg, server_capacity: int | None = None) -> int:
-    """Requests the engine keeps in flight on ONE server: what the server runs at once (``server_capacity``), capped
-    by ``rollout.max_concurrency`` (``cfg``: the config, or that cap); the cap alone when the server reports nothing.
-    Each server has its own bound: a pool shared by all would leave ~cap / servers requests on each."""
-    cap = int(cfg.rollout.max_concurrency if hasattr(cfg, "rollout") else cfg)
-    return max(1, min(cap, server_capacity) if server_capacity else cap)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The engine
@@ -149,6 +126,7 @@ class SGLangEngine:
         self._inflight: dict[str, tuple[str, int]] = {}  # rid -> (URL it was sent to, its abort generation)
         self._abort_gen = 0  # bumped by abort(); requests of an older generation are dropped
         self._abort_gate = threading.Lock()  # held while abort_all calls are on their way: no request starts
+        self._closed = threading.Event()  # set by shutdown: background re-aborts stop
         self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
         if start:
             self.start()
@@ -161,28 +139,7 @@ class SGLangEngine:
         """Attach to ``server_urls`` (default ``rollout.server_urls``) or start one local server with the rollout
         section's settings; ``start=False``: neither start nor wait for them."""
         r = cfg.rollout
-        urls = list(r.server_urls if server_urls is None else server_urls)
-        if urls:
-            logs = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}")  # dapo launch: each server's log file
-            servers = [
-                SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u)) for u in urls
-            ]
-        else:
-            log_path = Path(log_dir) / "sglang_server.log" if log_dir else None
-            servers = [
-                SGLangServer(
-                    model_path,  # on a free port (cluster.server_port is the Slurm launcher's)
-                    tp_size=r.sglang_tp,
-                    mem_fraction=r.mem_fraction,
-                    memory_saver=r.colocate and r.sglang_device == "cuda",  # torch_memory_saver: CUDA only
-                    dtype=r.dtype or cfg.model.dtype,
-                    extra_args=server_args(cfg),
-                    env=dict(kv.split("=", 1) for kv in r.sglang_env),
-                    log_path=log_path,
-                    device=r.sglang_device,
-                    pythonpath=r.sglang_pythonpath,
-                )
-            ]
+        servers = servers_from_config(cfg, model_path, log_dir, server_urls)
         return cls(
             servers,
             tokenizer_info=tokenizer_info,
@@ -206,12 +163,15 @@ class SGLangEngine:
         self._ensure_pools()
 
     def _ensure_pools(self) -> None:
-        """A pool per worker, sized from what it reports it can run (once per worker); the router's: their sum."""
+        """A pool per worker, sized from what it reports it can run (once per worker) within the open-file limit; the
+        router's: their sum."""
         new = [s for s in self.servers if s.url not in self.concurrency]
         with cf.ThreadPoolExecutor(max_workers=max(1, len(new))) as ex:
-            caps = list(ex.map(lambda s: server_capacity(s.url, self.server_timeout), new))
+            caps = list(ex.map(lambda s: server_capacity(s.url, http_call, self.server_timeout), new))
+        wanted = {s.url: per_server_concurrency(self.max_concurrency, cap) for s, cap in zip(new, caps)}
+        fitted = fit_open_files({**self.concurrency, **wanted}, open_file_budget())
         for s, cap in zip(new, caps):
-            self.concurrency[s.url] = per_server_concurrency(self.max_concurrency, cap)
+            self.concurrency[s.url] = fitted[s.url]
             self._pools[s.url] = cf.ThreadPoolExecutor(self.concurrency[s.url], thread_name_prefix="sglang-req")
             log.info("%s: %s requests in flight (reports capacity %s)", s.url, self.concurrency[s.url], cap)
         if self.router_url and self.router_url not in self._pools:
@@ -221,6 +181,7 @@ class SGLangEngine:
     def shutdown(self, stop_servers: bool = True) -> None:
         """Abort what is in flight and, unless ``stop_servers`` is False, stop the servers this engine started."""
         self.abort()
+        self._closed.set()  # the re-abort thread stops
         for close in reversed(self._on_shutdown):
             close()
         self._on_shutdown.clear()
@@ -449,8 +410,6 @@ class SGLangEngine:
             submit(i)
         while pending:
             finished, _ = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
-            if not finished and self._abort_gen != gen:
-                self._reabort_stale()  # an abort that reached a server before its request did: once more
             for fut in finished:
                 i = pending.pop(fut)
                 result = fut.result()
@@ -594,12 +553,15 @@ class SGLangEngine:
         return len(stale)
 
     def _reabort_until_back(self, gen: int, poll_s: float = 0.2) -> None:
-        """Re-abort what was sent before abort generation ``gen`` until all of it has answered."""
+        """Re-abort what was sent before abort generation ``gen`` until all of it has answered or the engine shuts
+        down (a background thread: an error is logged, never raised)."""
         deadline = time.monotonic() + self.request_timeout
-        while time.monotonic() < deadline:
-            time.sleep(poll_s)
-            if not self._reabort_stale(gen):
-                return
+        try:
+            while time.monotonic() < deadline and not self._closed.wait(poll_s):
+                if not self._reabort_stale(gen):
+                    return
+        except Exception as e:  # the servers stopping under it, the interpreter exiting
+            log.warning("re-abort of requests sent before abort %d stopped: %s", gen, e)
 
     def _recover(self) -> None:
         """Restart (or wait for) every unhealthy server, then resync it to the current weight version."""

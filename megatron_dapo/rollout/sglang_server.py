@@ -357,3 +357,27 @@ def _stop_started_servers() -> None:
     """Servers run in their own process group (they outlive us otherwise): stop the ones this process started."""
     for server in list(_STARTED):
         server.stop(timeout=10)
+
+
+def servers_from_config(cfg, model_path, log_dir=None, server_urls=None) -> list[SGLangServer]:
+    """Servers at ``server_urls`` (default ``rollout.server_urls``), attached; or one local server with the rollout
+    section's settings, not started yet (on a free port; cluster.server_port is the Slurm launcher's)."""
+    r = cfg.rollout
+    urls = list(r.server_urls if server_urls is None else server_urls)
+    if urls:
+        logs = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}")  # dapo launch: each server's log file
+        return [SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u)) for u in urls]
+    return [
+        SGLangServer(
+            model_path,
+            tp_size=r.sglang_tp,
+            mem_fraction=r.mem_fraction,
+            memory_saver=r.colocate and r.sglang_device == "cuda",  # torch_memory_saver: CUDA only
+            dtype=r.dtype or cfg.model.dtype,
+            extra_args=server_args(cfg),
+            env=dict(kv.split("=", 1) for kv in r.sglang_env),
+            log_path=Path(log_dir) / "sglang_server.log" if log_dir else None,
+            device=r.sglang_device,
+            pythonpath=r.sglang_pythonpath,
+        )
+    ]

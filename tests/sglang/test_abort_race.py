@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megatron_dapo.rollout import sglang_engine
+from megatron_dapo.rollout import sglang_capacity, sglang_engine
 from megatron_dapo.rollout.engine import GenRequest, SamplingParams
 from megatron_dapo.rollout.sglang_server import http_call
 from tests.sglang.helpers import make_engine
@@ -61,7 +61,7 @@ def test_the_engine_bounds_each_server_by_what_it_reports(server):
     is it, capped by max_concurrency."""
     logged = re.findall(r"max_running_requests=(\d+)", server.log_path.read_text())
     assert logged, f"no max_running_requests in {server.log_path}"
-    capacity = sglang_engine.server_capacity(server.url)
+    capacity = sglang_capacity.server_capacity(server.url, sglang_engine.http_call)
     assert capacity == int(logged[-1])
     for cap in (4, capacity + 100):
         engine = make_engine(server, max_concurrency=cap)

@@ -13,7 +13,8 @@ import pytest
 from megatron_dapo.config import load_config
 from megatron_dapo.rollout import sglang_engine
 from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, per_server_concurrency
+from megatron_dapo.rollout.sglang_capacity import per_server_concurrency
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerUnavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +38,8 @@ class FakeServers:
                 raise ServerUnavailable(f"GET {url}{path}: HTTP 404")
             return {"max_running_requests": None, "internal_states": [
                 {"effective_max_running_requests_per_dp": self.capacity}]}  # fmt: skip
+        if path == "/abort_request":  # noted, never acted on: what SGLang does for a request it has not registered
+            return {}
         assert path == "/generate", path
         with self.lock:
             self.now[url] += 1
@@ -104,3 +107,53 @@ def test_per_server_concurrency_from_the_config_alone():
     assert per_server_concurrency(cfg, 200) == 200  # the server's bound
     assert per_server_concurrency(cfg, 4096) == cfg.rollout.max_concurrency == 512  # the config's cap
     assert per_server_concurrency(cfg, None) == 512  # nothing reported: the cap
+
+
+def test_open_file_limit_bounds_the_connections(monkeypatch):
+    """Every request in flight holds a connection: past RLIMIT_NOFILE they fail as "too many open files", which the
+    engine would take for dead servers. 32 servers × 48 with 1,024 descriptors: scaled down to fit (less the reserve)."""
+    from megatron_dapo.rollout import sglang_capacity
+
+    monkeypatch.setattr(sglang_engine, "open_file_budget", lambda: 1024)
+    fake = FakeServers(48)
+    engine = _engine(monkeypatch, fake)
+    try:
+        _generate_all(engine, fake, N_SERVERS * 30, N_SERVERS * 24)
+        room = 1024 - sglang_capacity.FD_RESERVE
+        assert sum(engine.concurrency.values()) <= room and set(engine.concurrency.values()) == {room // N_SERVERS}
+        assert max(fake.peak.values()) <= room // N_SERVERS
+    finally:
+        engine.shutdown(stop_servers=False)
+    assert sglang_capacity.fit_open_files({"a": 10, "b": 20}, 1000) == {"a": 10, "b": 20}  # fits: unchanged
+
+
+def test_open_file_budget_raises_the_soft_limit():
+    import resource
+
+    from megatron_dapo.rollout.sglang_capacity import open_file_budget
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, hard), hard))
+        assert open_file_budget() == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_background_reabort_stops_at_shutdown(monkeypatch):
+    """abort() leaves a thread re-aborting what has not answered; shutdown() ends it."""
+    fake = FakeServers(4)
+    engine = _engine(monkeypatch, fake, ["rollout.max_concurrency=4"])
+    prompts = [[1, 2, 3]] * 8
+    t = threading.Thread(target=lambda: list(engine.generate_stream(prompts, SamplingParams(max_new_tokens=1))))
+    t.start()
+    try:
+        fake.wait_for(8)
+        engine.abort()  # the fake never answers the abort: the requests stay in flight, the thread keeps trying
+        assert any(th.name == "sglang-reabort" for th in threading.enumerate())
+        engine.shutdown(stop_servers=False)
+        time.sleep(0.5)
+        assert not any(th.name == "sglang-reabort" and th.is_alive() for th in threading.enumerate())
+    finally:
+        fake.release.set()
+        t.join(60)
