@@ -135,7 +135,7 @@ class Plan:
     model: str = ""
     max_seq_len: int = 0
     phases: list[PhaseMemory] = field(default_factory=list)  # colocated: train, rollout and start-up peaks
-    stages: list[Memory] = field(default_factory=list)  # the first and the last stage (one when PP = 1)
+    stages: list[Memory] = field(default_factory=list)  # first and last stage; every stage for a chosen layout
     options: PlanOptions | None = None
 
     @property
@@ -383,15 +383,15 @@ def evaluate_layout(
         _check_split(job.arch, tp, pp)
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from e
-    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp)
+    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp, True)
 
 
 def _evaluate(
     job: _Job, tp: int, pp: int, cp: int, mb_tokens: int, recompute: str, distopt: bool, fp8: bool,
-    sglang_tp: int | None = None,
+    sglang_tp: int | None = None, every_stage: bool = False,
 ) -> Plan:  # fmt: skip
     """Memory of the first and last stage (the others hold fewer parameters than the first and fewer in-flight
-    activations than stage 0), the rollout phase, and the step time of one candidate."""
+    activations than stage 0; ``every_stage``: all of them), the rollout phase, and the step time of one candidate."""
     arch, o, L, h = job.arch, job.opt, job.arch.num_layers, job.arch.hidden_size
     overhead = o.overhead_gb * GiB
     dp = job.world // (tp * pp * cp)
@@ -410,7 +410,7 @@ def _evaluate(
     else:
         rollout_held = (o.rollout_mem_fraction or 0.6) * job.gpu
     stages = []
-    for s in sorted({0, pp - 1}):
+    for s in range(pp) if every_stage else sorted({0, pp - 1}):
         p = count_params(arch, tp, pp, s, vocab)
         last = s == pp - 1
         stages.append(

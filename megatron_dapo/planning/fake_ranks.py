@@ -83,16 +83,21 @@ def buildable_here(cfg: DapoConfig):
 
 def rank_coords(rank: int, world: int, cfg: DapoConfig) -> dict[str, int]:
     """megatron-core's (tp, cp, dp, pp) ranks of global ``rank``, from its own ``parallel_state``."""
-    from megatron.core import parallel_state as ps
 
     p = cfg.parallel
     with fake_rank(rank, world, p.tp, p.pp, p.cp):
-        return dict(
-            tp=ps.get_tensor_model_parallel_rank(),
-            cp=ps.get_context_parallel_rank(),
-            dp=ps.get_data_parallel_rank(),
-            pp=ps.get_pipeline_model_parallel_rank(),
-        )
+        return _coords()
+
+
+def _coords() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        tp=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+    )
 
 
 def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> RankBuild:
@@ -106,12 +111,7 @@ def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> Rank
     p = cfg.parallel
     model_cfg, parallel = buildable_here(cfg)
     with fake_rank(rank, world, p.tp, p.pp, p.cp):
-        coords = dict(
-            tp=ps.get_tensor_model_parallel_rank(),
-            cp=ps.get_context_parallel_rank(),
-            dp=ps.get_data_parallel_rank(),
-            pp=ps.get_pipeline_model_parallel_rank(),
-        )
+        coords = _coords()
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # megatron-core: "Apex is not installed" per module
