@@ -482,14 +482,18 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     # server runs on cores (nothing shared to release), and under the disaggregated placement `dapo launch` starts
     # the servers on cluster.rollout_nodes and hands their URLs to the trainer.
     colocated_layout = cfg.cluster.placement == "colocated"
-    if r.engine == "sglang" and r.sglang_device == "cuda" and not r.colocate and not r.server_urls and colocated_layout:
+    # a server told which GPUs to use (--base-gpu-id, CUDA_VISIBLE_DEVICES) is the user's choice: one node's async
+    own_gpus = "--base-gpu-id" in r.sglang_args or any(kv.startswith("CUDA_VISIBLE_DEVICES=") for kv in r.sglang_env)
+    if (r.engine == "sglang" and r.sglang_device == "cuda" and not r.colocate and not r.server_urls
+            and colocated_layout and not own_gpus):  # fmt: skip
         fail(
             "rollout.colocate",
             r.colocate,
             "with rollout.server_urls empty the trainer would start its SGLang server on its own GPUs (GPU 0 on, "
             "never releasing their memory): set rollout.server_urls=[URL, ...] (servers started on other GPUs or "
             "nodes), or cluster.placement=disaggregated with cluster.rollout_nodes and run `dapo launch` (it "
-            "starts the servers on their own nodes), or rollout.colocate=true with rollout.schedule=sync",
+            "starts the servers on their own nodes), or rollout.sglang_args=[--base-gpu-id, N] (GPUs the trainer does "
+            "not use), or rollout.colocate=true with rollout.schedule=sync",
         )
     if r.max_concurrency < 1:
         fail("rollout.max_concurrency", r.max_concurrency, "must be >= 1 (requests in flight per server)")

@@ -90,6 +90,9 @@ def test_an_uncolocated_gpu_server_the_trainer_would_start_itself_is_refused(ext
     load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "cluster.nodes=2",
                             "cluster.placement=disaggregated", "cluster.rollout_nodes=1"])  # fmt: skip
     load_config("demo_cpu_sglang", ["rollout.colocate=false", *extra])
+    # a server the user points at other GPUs: one node's async with the trainer on GPUs 0-3 and SGLang on 4-7
+    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang_args=[--base-gpu-id,4]"])
+    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang_env=[CUDA_VISIBLE_DEVICES=4]"])
     if not extra:
         load_config("dapo_7b", ["model.hf_init=/m", "rollout.colocate=true", "rollout.weight_sync=tensor"])
 
