@@ -92,10 +92,9 @@ _DP: dict = {}
 def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
     """Every rank's DP rank, and per DP rank d a gloo group of rank 0 and the ranks of d (created once, everywhere)."""
     if not _DP:
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, actor.dp_rank, group=control_group())
+        ranks = [d for r in range(dist.get_world_size()) for d, held in enumerate(actor.dp_members) if r in held]
         timeout = datetime.timedelta(seconds=_CONTROL["timeout_s"])
-        members = [sorted({0} | {r for r, dd in enumerate(ranks) if dd == d}) for d in range(max(ranks) + 1)]
+        members = [sorted({0, *held}) for held in actor.dp_members]
         _DP.update(ranks=ranks, members=members,
                    groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members])  # fmt: skip
     return _DP["ranks"], _DP["groups"]
