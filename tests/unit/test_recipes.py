@@ -1,4 +1,4 @@
-"""What the README says a recipe is: the recipes load with those values, and differ from each other only there."""
+"""What docs/guides/recipes-and-config.md says a recipe is: the recipes load with those values, and differ from each other only there."""
 
 from megatron_dapo.config import config_to_dict, load_config
 
@@ -11,7 +11,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def test_grpo_cpu_is_demo_cpu_as_naive_grpo():
-    """README: ``grpo_cpu`` (same budget, naive GRPO: symmetric clip, sequence-level loss, no dynamic sampling)."""
+    """docs/guides/recipes-and-config.md: ``grpo_cpu`` (same budget, naive GRPO: symmetric clip, sequence-level loss, no dynamic sampling)."""
     demo, grpo = (_flat(config_to_dict(load_config(name))) for name in ("demo_cpu", "grpo_cpu"))
     differ = {k: (demo[k], grpo[k]) for k in demo if demo[k] != grpo[k]}
     assert differ == {
