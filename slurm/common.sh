@@ -13,6 +13,43 @@
 
 set -Eeuo pipefail
 
+# The traps first, and no command substitution ($(...)) in this file, only builtins: bash 5.2 (5.2.15 measured)
+# fails a $(...) being parsed when a trapped signal arrives ("trap: line 2: unexpected EOF while looking for matching
+# `)'", exit 2 under set -e), and Slurm's SIGUSR1 may come at any moment, in a requeued allocation as it starts.
+# _dapo_log FORMAT ARGS...: one stderr line prefixed with the time and the seconds since the job started.
+_dapo_log() { # no locals: the USR1 trap may run inside it, and bash 5.2 then mixes up function contexts
+    printf -v _DAPO_NOW '%(%s)T' -1
+    printf "[%(%F %T)T +%ds] $1\n" -1 $((_DAPO_NOW - _DAPO_T0)) "${@:2}" >&2
+}
+printf -v _DAPO_T0 '%(%s)T' -1
+_DAPO_PHASE=setup
+
+# phase NAME: mark the start of a phase (timestamp, seconds since the job started); errors name the phase.
+phase() {
+    _DAPO_PHASE=$1
+    _dapo_log '== %s' "$1"
+}
+
+_dapo_on_error() {
+    local rc=$? line=$1 cmd=$2
+    _dapo_log 'FAILED in phase %s (line %s, exit %d): %s' "$_DAPO_PHASE" "$line" "$rc" "$cmd"
+    exit "$rc"
+}
+_dapo_on_exit() {
+    local rc=$?
+    rm -f "$DAPO_SIGNAL_FILE"
+    _dapo_log 'job %s ended with exit code %d (phase %s)' "${SLURM_JOB_ID:-?}" "$rc" "$_DAPO_PHASE"
+}
+DAPO_SIGNAL_FILE=${TMPDIR:-/tmp}/dapo-signal-${SLURM_JOB_ID:-0}-$$-$RANDOM
+export DAPO_SIGNAL_FILE
+_dapo_on_usr1() {
+    : >"$DAPO_SIGNAL_FILE"
+    _dapo_log 'SIGUSR1 (time limit near): the trainer saves after its current step'
+}
+trap '_dapo_on_error $LINENO "$BASH_COMMAND"' ERR
+trap _dapo_on_exit EXIT
+trap _dapo_on_usr1 USR1
+
 DAPO_ROOT=${DAPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 cd "$DAPO_ROOT"
 if [[ -n ${DAPO_ENV_SETUP:-} ]]; then
@@ -28,54 +65,24 @@ export TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # compute nodes usually have no internet: read checkpoints from disk
 
-_DAPO_T0=$(date +%s)
-_DAPO_PHASE=setup
-
-# phase NAME: mark the start of a phase (timestamp, seconds since the job started); errors name the phase.
-phase() {
-    _DAPO_PHASE=$1
-    printf '[%s +%ds] == %s\n' "$(date '+%F %T')" $(($(date +%s) - _DAPO_T0)) "$1" >&2
-}
-
-_dapo_on_error() {
-    local rc=$? line=$1 cmd=$2
-    printf '[%s +%ds] FAILED in phase %s (line %s, exit %d): %s\n' "$(date '+%F %T')" \
-        $(($(date +%s) - _DAPO_T0)) "$_DAPO_PHASE" "$line" "$rc" "$cmd" >&2
-    exit "$rc"
-}
-_dapo_on_exit() {
-    local rc=$?
-    rm -f "$DAPO_SIGNAL_FILE"
-    printf '[%s +%ds] job %s ended with exit code %d (phase %s)\n' "$(date '+%F %T')" \
-        $(($(date +%s) - _DAPO_T0)) "${SLURM_JOB_ID:-?}" "$rc" "$_DAPO_PHASE" >&2
-}
-DAPO_SIGNAL_FILE=$(mktemp -u "${TMPDIR:-/tmp}/dapo-signal-${SLURM_JOB_ID:-$$}.XXXXXX")
-export DAPO_SIGNAL_FILE
-_dapo_on_usr1() {
-    printf '[%s +%ds] SIGUSR1 (time limit near): the trainer saves after its current step\n' "$(date '+%F %T')" \
-        $(($(date +%s) - _DAPO_T0)) >&2
-    : >"$DAPO_SIGNAL_FILE"
-}
-trap '_dapo_on_error $LINENO "$BASH_COMMAND"' ERR
-trap _dapo_on_exit EXIT
-trap _dapo_on_usr1 USR1
-
 # dapo_require_gpu_python ARGS...: a job that asks for CUDA devices and SGLang (the GPU scripts call this) refuses a
 # CPU-only torch in $PYTHON (the default, the repository's .venv, is one) before any step starts. Skipped when the
 # steps run a container's python (CONTAINER_IMAGE) and for --dry-run (it starts nothing). `dapo launch` then checks
 # the rest of the stack (megatron_dapo/preflight.py).
 dapo_require_gpu_python() {
-    local arg cuda
+    local arg line cuda='' rc=0 out=$DAPO_SIGNAL_FILE.torch
     [[ -z ${CONTAINER_IMAGE:-} ]] || return 0
     for arg in "$@"; do [[ $arg != --dry-run ]] || return 0; done
     local fix="set PYTHON=/path/to/gpu-venv/bin/python (CUDA torch, SGLang, Transformer Engine: requirements/gpu.txt)"
     fix+=" or CONTAINER_IMAGE=<an image built from docker/Dockerfile> (the steps then run its python)"
-    if ! cuda=$("$PYTHON" -c 'import torch; print(torch.version.cuda or "")' 2>&1); then
+    "$PYTHON" -c 'import torch; print(torch.version.cuda or "")' >"$out" 2>&1 || rc=$?
+    while IFS= read -r line || [[ -n $line ]]; do cuda=$line; done <"$out" # the last line
+    rm -f "$out"
+    if ((rc != 0)); then
         printf 'this job needs CUDA devices and SGLang, but PYTHON=%s cannot import torch (%s): %s\n' \
-            "$PYTHON" "$(tail -n 1 <<<"$cuda")" "$fix" >&2
+            "$PYTHON" "$cuda" "$fix" >&2
         return 3
     fi
-    cuda=$(tail -n 1 <<<"$cuda")
     if [[ -z $cuda ]]; then
         printf 'this job needs CUDA devices and SGLang, but PYTHON=%s has a CPU-only torch: %s\n' "$PYTHON" "$fix" >&2
         return 3

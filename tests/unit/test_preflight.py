@@ -55,7 +55,7 @@ def test_a_cpu_torch_for_a_cuda_job_names_the_environment_to_use():
 def test_te_is_needed_only_where_the_spec_asks_for_it():
     no_te = {**GPU_OK.imports, "transformer_engine.pytorch": "ModuleNotFoundError: transformer_engine"}
     facts = Facts("2.8.0", "12.8", 8, "0.19.2", no_te)
-    cfg = ["parallel.cp=1", "parallel.sequence_parallel=false", "model.transformer_impl=local"]
+    cfg = ["parallel.cp=1", "parallel.sequence_parallel=false", "model.fp8=null", "model.transformer_impl=local"]
     assert check(_gpu_job(*cfg), facts) == []
     assert "parallel.cp = 2 (TE's context-parallel attention)" in check(_gpu_job("parallel.cp=2"), facts)[0]
     assert check(needs_for(load_config("demo_cpu", ["parallel.cp=2"])), CPU) == []  # a CPU run: not checked
