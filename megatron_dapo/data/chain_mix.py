@@ -7,7 +7,7 @@ The value of a chain is its absolute differences taken in order: x = d1, then x 
 (|3 − 5| = 2, |2 − 2| = 0, |0 − 7| = 7). Unlike a sum, it depends on the order of the digits, so a small model cannot
 read it off the digits at once (a sum it can: on chain sums a warm start answered directly more accurately than it
 wrote out the running sums, measured 2026-12-01), while each written step is one lookup at a fixed distance from the
-digit it takes. Built for ``bench/ablation.py`` (issue 25), so that each DAPO technique has the work the paper gives
+digit it takes. Built for ``bench/ablation.py``, so that each DAPO technique has the work the paper gives
 it:
 
 * every problem is solvable with margin: the longest written-out solution (6 terms: 21 tokens with its eos) fits in

@@ -5,15 +5,15 @@
     metrics = sync.sync(export, version)          # collective: every rank exports, each poster updates its engine
 
 Why: colocated on several nodes, a CUDA IPC handle opens only on the node that made it (torch
-``reductions.py:rebuild_cuda_tensor`` → ``cudaIpcOpenMemHandle``), so rank 0 cannot feed the other nodes' engines
-(issue 14). As in slime (``update_weight_from_tensor.py``: one gather group per engine, the group's first rank posts)
+``reductions.py:rebuild_cuda_tensor`` → ``cudaIpcOpenMemHandle``), so rank 0 cannot feed the other nodes' engines.
+As in slime (``update_weight_from_tensor.py``: one gather group per engine, the group's first rank posts)
 the export gives every rank the whole model (``export_hf_tensors(dst="all")``: TP all-gather, then each pipeline stage
 broadcasts its tensors), and the first rank of each engine's share (``launch/placement.py`` ``SyncRoute.poster``)
 updates its own engine through the run's transport (``rollout.weight_sync = tensor``), verified there
 (/weights_checker). The outcomes meet on the control plane: an error on any node raises on every rank, naming the
 engine and the rank.
 
-One serialization per GPU (issue 22 #10): SGLang TP rank i of an engine reads handle i (``tp_worker.py``:
+One serialization per GPU: SGLang TP rank i of an engine reads handle i (``tp_worker.py``:
 ``serialized_named_tensors[tp_rank]``), and torch opens a CUDA IPC handle on the device that made it
 (``reductions.py:rebuild_cuda_tensor``): a handle made by the poster would have TP ranks 1.. make a CUDA context on the
 poster's GPU and read across GPUs. So, as slime does (THUDM/slime ``slime/backends/megatron_utils/update_weight/

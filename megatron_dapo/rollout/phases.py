@@ -6,7 +6,7 @@
     phases.to_rollout()    # the trainer's grads + optimizer states go to the host; the engines resume their WEIGHTS
     ...weight sync (resumed weights are stale until it), generate (the engine resumes KV cache + CUDA graphs first)...
 
-The order per step is slime's and NeMo-RL's (notes: docs of issue 14): generate → release → train → offload → resume
+The order per step is slime's and NeMo-RL's: generate → release → train → offload → resume
 weights → sync → resume KV cache and CUDA graphs → generate, so the sync's buckets never sit on top of a full KV
 cache (slime ``train.py``: ``onload(tags=[weights])``, ``update_weights()``, ``onload(tags=[kv_cache])``; NeMo-RL
 ``prepare_for_generation(tags=["weights"])`` before the refit, ``tags=["kv_cache"]`` after). The engine resumes what
