@@ -14,6 +14,27 @@ from megatron_dapo.planning import rehearsal
 from megatron_dapo.planning.rehearsal import PHASES, rehearse
 
 
+def _no_process_group():
+    """The rehearsal builds its ranks on a fake process group of its own; an earlier test in this process (a
+    checkpoint conversion) may have left a gloo group and megatron-core's groups initialized."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_in_this_module():
+    _no_process_group()
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    _no_process_group()
+
+
 @pytest.fixture(scope="module")
 def dapo_32b():
     return rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
