@@ -37,24 +37,6 @@ from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_
 from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
 
 
-@dataclass
-class Sequence:
-    """One prompt + response. Per-response-token fields have length ``len(tokens) - prompt_len``."""
-
-    tokens: torch.Tensor  # [L] int64: prompt then response
-    prompt_len: int
-    advantage: float = 0.0
-    old_logprobs: torch.Tensor | None = None  # [R] fp32 (recomputed by the actor before training)
-    rollout_logprobs: torch.Tensor | None = None  # [R] fp32, the rollout engine's (truncated importance sampling)
-    loss_mask: torch.Tensor | None = None  # [R] 1 = in the loss (overlong filtering zeroes truncated samples)
-    entropy: torch.Tensor | None = None  # [R] of pi_old at each response position (set by train_step)
-    tis_mask: torch.Tensor | None = None  # [R] bool: tokens TIS weighs (partial rollout); None = per algo.tis
-
-    @property
-    def response_len(self) -> int:
-        return int(self.tokens.numel()) - self.prompt_len
-
-
 def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) -> tuple[int, str]:
     """(tokens per micro-batch, a line saying why): ``parallel.max_tokens_per_micro_batch``, or when None the largest
     budget whose predicted peak (``memory.actor_memory``) fits this rank's share of the memory; a given budget that is

@@ -1,30 +1,30 @@
-"""The rollout-engine contract shared by the CPU (HF transformers) and GPU (SGLang) engines.
+"""The data that flows through a run: what the rollout engines take and return (``SamplingParams``, ``GenRequest``,
+``Sample``), what the actor trains on (``Sequence``), and the errors a rollout or a weight sync raises. Imports nothing
+of the package: every layer may use it.
 
-    engine.update_weights(buckets, version)                 # buckets: iterable of [(hf_name, full tensor), ...]
-    for group in engine.generate_stream(prompts, sampling, n=G):
-        keep(group)                                         # n Samples of one prompt, as soon as they are all done
-        if enough: engine.abort(); break                    # drop the surplus still in flight
-
-Logprob convention (both engines): ``Sample.logprobs[i]`` is the log-probability of ``response_ids[i]`` under the
+Logprob convention (every engine): ``Sample.logprobs[i]`` is the log-probability of ``response_ids[i]`` under the
 distribution the token was sampled from, ``log_softmax(logits / T)`` at the sampling temperature T over the full
 vocabulary, before top-p / top-k truncation (T = 1 for greedy decoding). The actor computes the same (its logits
 divided by ``rollout.sampling.temperature``) for π_old and π_θ, so the importance ratios are of the sampling policy
-and the gap between the two (``logprob_gap``) measures rollout/training numerical mismatch only. SGLang returns
-exactly this when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is unset or 0 (sglang 0.5.23 srt/layers/sampler.py:275 divides
-the logits by T before the log-softmax it returns; with the variable set to 1 it returns the untempered one, :231-237).
-A stop or EOS token that ends a sample IS included in ``response_ids`` (and has a logprob): the policy must learn
-to emit it.
+and the gap between the two (``engines.base.logprob_gap``) measures rollout/training numerical mismatch only. SGLang
+returns exactly this when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is unset or 0 (sglang 0.5.23 srt/layers/sampler.py:275
+divides the logits by T before the log-softmax it returns; with the variable set to 1 it returns the untempered one,
+:231-237). A stop or EOS token that ends a sample IS included in ``response_ids`` (and has a logprob): the policy must
+learn to emit it.
 """
+
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
+
+import torch
 
 FinishReason = Literal["stop", "length", "abort"]
-Bucket = Sequence[tuple[str, Any]]  # [(hf_name, torch.Tensor)], full (unsharded) tensors in HF naming
+Bucket = Seq[tuple[str, Any]]  # [(hf_name, torch.Tensor)], full (unsharded) tensors in HF naming
 
 
 class RolloutError(RuntimeError):
@@ -136,41 +136,6 @@ class GenRequest:
     route: int = 0
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """Generation plus weight updates; implemented by ``HFEngine`` (CPU) and ``SGLangEngine`` (GPU)."""
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Sample]:
-        """``n`` samples per prompt, grouped in prompt order: [p0s0..p0s(n-1), p1s0, ...]."""
-        ...
-
-    def generate_stream(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> Iterator[list[Sample]]:
-        """Complete groups (lists of ``n`` Samples of one prompt, in sample order) as they finish, in any order."""
-        ...
-
-    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
-
-    # partial rollout (rollout.partial) also needs, in both engines:
-    # generate_requests(requests: list[GenRequest], sampling) -> Iterator[Sample]: one sample per request as each
-    # finishes (prompt_index = the request's position); after abort() the rest come back, finish_reason 'abort',
-    # with the tokens they have so far
-
-    def abort(self) -> None:
-        """Stop everything in flight; unfinished samples end with finish_reason 'abort'."""
-        ...
-
-    def sleep(self) -> None:
-        """Release accelerator memory (colocated training); a no-op on CPU."""
-        ...
-
-    def wake(self) -> None: ...
-
-    def health(self) -> bool: ...
-
-    @property
-    def weight_version(self) -> int: ...
-
-
 def group_samples(samples: list[Sample], n: int) -> list[list[Sample]]:
     """Split a flat, grouped ``generate`` result into groups of ``n``."""
     if len(samples) % n:
@@ -178,37 +143,19 @@ def group_samples(samples: list[Sample], n: int) -> list[list[Sample]]:
     return [samples[i : i + n] for i in range(0, len(samples), n)]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Fidelity: rollout logprobs vs actor logprobs
+@dataclass
+class Sequence:
+    """One prompt + response. Per-response-token fields have length ``len(tokens) - prompt_len``."""
 
+    tokens: torch.Tensor  # [L] int64: prompt then response
+    prompt_len: int
+    advantage: float = 0.0
+    old_logprobs: torch.Tensor | None = None  # [R] fp32 (recomputed by the actor before training)
+    rollout_logprobs: torch.Tensor | None = None  # [R] fp32, the rollout engine's (truncated importance sampling)
+    loss_mask: torch.Tensor | None = None  # [R] 1 = in the loss (overlong filtering zeroes truncated samples)
+    entropy: torch.Tensor | None = None  # [R] of pi_old at each response position (set by train_step)
+    tis_mask: torch.Tensor | None = None  # [R] bool: tokens TIS weighs (partial rollout); None = per algo.tis
 
-def logprob_gap(rollout_logprobs: Any, actor_logprobs: Any, mask: Any = None) -> tuple[float, float]:
-    """(mean, max) of |logp_rollout - logp_actor| over the valid (mask != 0) tokens; (0, 0) when none is valid.
-
-    Accepts tensors of equal shape (e.g. [batch, seq]) or nested lists; ``mask`` defaults to all tokens."""
-    import torch
-
-    a = torch.as_tensor(rollout_logprobs, dtype=torch.float64)
-    b = torch.as_tensor(actor_logprobs, dtype=torch.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"logprob_gap: rollout logprobs {tuple(a.shape)} vs actor logprobs {tuple(b.shape)}")
-    m = torch.ones_like(a, dtype=torch.bool) if mask is None else torch.as_tensor(mask).to(torch.bool)
-    if m.shape != a.shape:
-        raise ValueError(f"logprob_gap: mask {tuple(m.shape)} vs logprobs {tuple(a.shape)}")
-    diff = (a - b).abs()[m]
-    if diff.numel() == 0:
-        return 0.0, 0.0
-    return float(diff.mean()), float(diff.max())
-
-
-def check_logprob_gap(mean_gap: float, alarm: float, step: int | None = None) -> None:
-    """Raise ``LogprobGapError`` when ``alarm`` > 0 and the mean gap exceeds it (or is not finite)."""
-    if alarm <= 0:
-        return
-    if not math.isfinite(mean_gap) or mean_gap > alarm:
-        where = f" at step {step}" if step is not None else ""
-        raise LogprobGapError(
-            f"mean |logp_rollout - logp_actor| = {mean_gap:.4g}{where} exceeds rollout.logp_gap_alarm = {alarm}: "
-            "the rollout engine is not sampling from the policy being trained (stale or corrupted weights, "
-            "a dtype/kernel mismatch, or a wrong tokenizer); set rollout.logp_gap_alarm=0 to disable this check"
-        )
+    @property
+    def response_len(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_len

@@ -1,0 +1,89 @@
+"""The rollout-engine contract: what every engine (``engines/hf.py`` on a CPU, ``engines/sglang`` on GPUs or CPU
+cores) provides, and the rollout/actor logprob gap every step checks.
+
+    engine.update_weights(buckets, version)                 # buckets: iterable of [(hf_name, full tensor), ...]
+    for group in engine.generate_stream(prompts, sampling, n=G):
+        keep(group)                                         # n Samples of one prompt, as soon as they are all done
+        if enough: engine.abort(); break                    # drop the surplus still in flight
+
+The logprob convention is in ``megatron_dapo/types.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from megatron_dapo.types import Bucket, LogprobGapError, Sample, SamplingParams
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generation plus weight updates; implemented by ``HFEngine`` (CPU) and ``SGLangEngine`` (GPU)."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Sample]:
+        """``n`` samples per prompt, grouped in prompt order: [p0s0..p0s(n-1), p1s0, ...]."""
+        ...
+
+    def generate_stream(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> Iterator[list[Sample]]:
+        """Complete groups (lists of ``n`` Samples of one prompt, in sample order) as they finish, in any order."""
+        ...
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
+
+    # partial rollout (rollout.partial) also needs, in both engines:
+    # generate_requests(requests: list[GenRequest], sampling) -> Iterator[Sample]: one sample per request as each
+    # finishes (prompt_index = the request's position); after abort() the rest come back, finish_reason 'abort',
+    # with the tokens they have so far
+
+    def abort(self) -> None:
+        """Stop everything in flight; unfinished samples end with finish_reason 'abort'."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (colocated training); a no-op on CPU."""
+        ...
+
+    def wake(self) -> None: ...
+
+    def health(self) -> bool: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fidelity: rollout logprobs vs actor logprobs
+
+
+def logprob_gap(rollout_logprobs: Any, actor_logprobs: Any, mask: Any = None) -> tuple[float, float]:
+    """(mean, max) of |logp_rollout - logp_actor| over the valid (mask != 0) tokens; (0, 0) when none is valid.
+
+    Accepts tensors of equal shape (e.g. [batch, seq]) or nested lists; ``mask`` defaults to all tokens."""
+    import torch
+
+    a = torch.as_tensor(rollout_logprobs, dtype=torch.float64)
+    b = torch.as_tensor(actor_logprobs, dtype=torch.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"logprob_gap: rollout logprobs {tuple(a.shape)} vs actor logprobs {tuple(b.shape)}")
+    m = torch.ones_like(a, dtype=torch.bool) if mask is None else torch.as_tensor(mask).to(torch.bool)
+    if m.shape != a.shape:
+        raise ValueError(f"logprob_gap: mask {tuple(m.shape)} vs logprobs {tuple(a.shape)}")
+    diff = (a - b).abs()[m]
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    return float(diff.mean()), float(diff.max())
+
+
+def check_logprob_gap(mean_gap: float, alarm: float, step: int | None = None) -> None:
+    """Raise ``LogprobGapError`` when ``alarm`` > 0 and the mean gap exceeds it (or is not finite)."""
+    if alarm <= 0:
+        return
+    if not math.isfinite(mean_gap) or mean_gap > alarm:
+        where = f" at step {step}" if step is not None else ""
+        raise LogprobGapError(
+            f"mean |logp_rollout - logp_actor| = {mean_gap:.4g}{where} exceeds rollout.logp_gap_alarm = {alarm}: "
+            "the rollout engine is not sampling from the policy being trained (stale or corrupted weights, "
+            "a dtype/kernel mismatch, or a wrong tokenizer); set rollout.logp_gap_alarm=0 to disable this check"
+        )
