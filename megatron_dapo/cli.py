@@ -27,11 +27,11 @@ def _train(args) -> int:
 
     stop = StopRequest.from_env().install()  # first: a SIGUSR1 during the slow imports below must not kill the rank
     exit_on_terminate()  # SIGTERM stops the servers this rank started instead of leaving them running
-    from megatron_dapo.trainer import Trainer
+    from megatron_dapo.loop.trainer import Trainer
 
     cfg = load_config(args.recipe, args.overrides)
-    from megatron_dapo.preflight import train_preflight
-    from megatron_dapo.trainer import prepare_model_and_engine
+    from megatron_dapo.launch.preflight import train_preflight
+    from megatron_dapo.loop.trainer import prepare_model_and_engine
 
     prepare_model_and_engine(cfg)  # gguf:... -> its HF directory; the HF engine when sglang is missing (and allowed)
 
@@ -48,7 +48,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from megatron_dapo.evaluate import evaluate_checkpoint
+    from megatron_dapo.loop.evaluate import evaluate_checkpoint
 
     cfg = load_config(args.recipe, [f"eval.files=[{args.data}]", *args.overrides])
     if cfg.eval.greedy and args.n is not None:

@@ -113,12 +113,12 @@ class RolloutConfig:
     # a server that dies mid-rollout is restarted, resynced and its requests re-issued; more deaths than this in one
     # step stop the run with an error naming the server's node and log
     max_restarts_per_step: int = 3
-    # partial rollout (rollout/schedule.py): the samples still in flight when a step has its groups are aborted but
+    # partial rollout (loop/schedule.py): the samples still in flight when a step has its groups are aborted but
     # kept and resumed first next step with the budget they have left; a group whose oldest token is more than
     # partial_max_age weight versions behind the trainer is dropped (counted)
     partial: bool = False
     partial_max_age: int = 2
-    # when a step's batch is generated (rollout/async_schedule.py): sync = in the step, on the trainer's weights;
+    # when a step's batch is generated (loop/async_schedule.py): sync = in the step, on the trainer's weights;
     # one_step_off = step k+1's batch in the background on v_{k-1} while step k trains (async, max_staleness 1);
     # async = a producer running up to max_staleness weight versions ahead of the trainer. Both: engines on their own
     # devices (rollout.colocate = false); the weight sync waits for the batch in progress (a batch is one version)
@@ -472,12 +472,12 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             "rollout.schedule",
             r.schedule,
             "with rollout.colocate = true the engines share the trainer's devices and release their memory while it "
-            "trains (rollout/phases.py), so nothing can generate meanwhile: use rollout.schedule=sync (with "
+            "trains (loop/phases.py), so nothing can generate meanwhile: use rollout.schedule=sync (with "
             "rollout.partial=true if you like), or rollout.colocate=false (SGLang: servers on their own GPUs, from "
             "rollout.server_urls or cluster.placement=disaggregated; the hf engine: its own copy of the weights, "
             "generating in a thread)",
         )
-    # rollout/sglang_engine.py from_config: without server_urls the trainer starts one server itself, with SGLang's
+    # engines/sglang/client.py from_config: without server_urls the trainer starts one server itself, with SGLang's
     # default --base-gpu-id 0, i.e. on the trainer's own GPUs; uncolocated it never releases their memory. A CPU
     # server runs on cores (nothing shared to release), and under the disaggregated placement `dapo launch` starts
     # the servers on cluster.rollout_nodes and hands their URLs to the trainer.

@@ -13,7 +13,6 @@ divides the logits by T before the log-softmax it returns; with the variable set
 learn to emit it.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -126,7 +125,7 @@ class Sample:
 
 @dataclass
 class GenRequest:
-    """One sample to generate with its own input, token budget and seed (partial rollout, ``rollout/schedule.py``):
+    """One sample to generate with its own input, token budget and seed (partial rollout, ``loop/schedule.py``):
     a fresh sample's input is its prompt; a resumed one's is the prompt + the response it has so far, with the budget
     it has left. Requests with the same ``route`` go to the same server (a group's samples: one prompt prefill)."""
 

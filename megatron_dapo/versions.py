@@ -1,5 +1,5 @@
 """The versions of the stack this project supports: one constant per package, read by the start-up preflight
-(``preflight.py``) and the install files' tests.
+(``launch/preflight.py``) and the install files' tests.
 
     in_range("0.19.2", MCORE_RANGE)   # True
 """

@@ -68,7 +68,7 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # compute nodes usually have no inte
 # dapo_require_gpu_python ARGS...: a job that asks for CUDA devices and SGLang (the GPU scripts call this) refuses a
 # CPU-only torch in $PYTHON (the default, the repository's .venv, is one) before any step starts. Skipped when the
 # steps run a container's python (CONTAINER_IMAGE) and for --dry-run (it starts nothing). `dapo launch` then checks
-# the rest of the stack (megatron_dapo/preflight.py).
+# the rest of the stack (megatron_dapo/launch/preflight.py).
 dapo_require_gpu_python() {
     local arg line cuda='' rc=0 out=$DAPO_SIGNAL_FILE.torch
     [[ -z ${CONTAINER_IMAGE:-} ]] || return 0

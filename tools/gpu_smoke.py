@@ -78,7 +78,7 @@ def train_config(args, arch_name: str, extra: list[str] | None = None):
 def make_sequences(args, vocab: int, seed: int = 0):
     import torch
 
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -129,7 +129,7 @@ def check_logits(work: Path) -> dict:
                                                    "model.tokenizer=char"]))  # fmt: skip
     load_hf_into_model(actor.model, arch, work / "smoke-qwen2-hf", te=actor.te)
     tokens = torch.randint(0, arch.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     seqs = [Sequence(t, prompt_len=1) for t in tokens]
     ours = actor.compute_logprobs(seqs)
@@ -268,9 +268,9 @@ def ipc_contract(device: str, consumers: int = 2) -> tuple[dict, list[str]]:
     homes = [f"cuda:{i % gpus}" if cuda else "cpu" for i in range(consumers)]
     payloads, blobs = [], []
     if have("sglang"):
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
-        from megatron_dapo.rollout.sglang_server import SGLangServer
-        from megatron_dapo.rollout.sglang_sync import TensorSync
+        from megatron_dapo.engines.sglang.client import SGLangEngine
+        from megatron_dapo.engines.sglang.server import SGLangServer
+        from megatron_dapo.engines.sglang.sync import TensorSync
 
         how = "sglang"
         engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", tp_size=consumers, device=device)],

@@ -154,7 +154,7 @@ AccountingStoragePort=$((PORT_BASE + 2))
 AccountingStoragePass=$STATE/munge/munge.socket.2
 JobCompType=jobcomp/none"
     fi
-    # A random first job id per cluster: `dapo launch` takes its ports from the job id (megatron_dapo/ports.py, block
+    # A random first job id per cluster: `dapo launch` takes its ports from the job id (megatron_dapo/launch/ports.py, block
     # id mod 55), so two local clusters on one machine that both counted from 1 gave their concurrent jobs the same
     # ports. Random starts make that 1 in 55 per pair of jobs that run at the same time (the tests use free ports
     # where they pin any).

@@ -13,7 +13,6 @@ import functools
 import math
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -26,15 +25,12 @@ from megatron_dapo.actor.logprobs import token_logprobs
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
 from megatron_dapo.actor.step_metrics import step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
-from megatron_dapo.algo.loss import (
-    loss_denominator,
-    policy_loss,
-    sft_loss,
-)
+from megatron_dapo.algo.loss import loss_denominator, policy_loss, sft_loss
 from megatron_dapo.config import ArchConfig, ConfigError, DapoConfig, load_arch, padded_vocab_size
 from megatron_dapo.data.geometry import micro_batch_geometry
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
 from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
+from megatron_dapo.types import Sequence
 
 
 def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.actor.actor import Sequence
+from megatron_dapo.types import Sequence
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Off-policy bookkeeping of partial rollout (``rollout/schedule.py``): token budgets of resumed samples and the
+"""Off-policy bookkeeping of partial rollout (``loop/schedule.py``): token budgets of resumed samples and the
 version lag of a batch's tokens. Pure functions, no engine, no model.
 
 A sample aborted at a step's cut keeps its tokens; resumed next step it may generate only what is left of the

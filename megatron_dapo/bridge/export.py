@@ -10,7 +10,7 @@ Who receives (``dst``):
   tensors point to point to that rank.
 * ``"stage"``: each PP stage's TP rank 0 gets the tensors of its own stage (no PP traffic; e.g. one SGLang sender per
   stage).
-* ``"all"``: every rank of every replica gets every tensor (the per-node weight sync, ``rollout/node_sync.py``: the
+* ``"all"``: every rank of every replica gets every tensor (the per-node weight sync, ``sync/per_node.py``: the
   ranks that feed an engine on their own node need the whole model; slime's ``hf_weight_iterator_direct.py`` does the
   same): the TP ranks all-gather, then each stage broadcasts its full tensors over the pipeline group.
 

@@ -12,15 +12,21 @@ The logprob convention is in ``megatron_dapo/types.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from megatron_dapo.types import Bucket, LogprobGapError, Sample, SamplingParams
+from megatron_dapo.types import Bucket, GenRequest, LogprobGapError, Sample, SamplingParams, TokenizerInfo
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Generation plus weight updates; implemented by ``HFEngine`` (CPU) and ``SGLangEngine`` (GPU)."""
+    """Generation plus weight updates: everything the loop, the schedules and the weight sync call on an engine,
+    implemented by ``HFEngine`` (``engines/hf.py``) and ``SGLangEngine`` (``engines/sglang/client.py``). ``EngineBase``
+    below gives the parts an engine without servers has nothing to do for."""
+
+    tokenizer: TokenizerInfo | None  # EOS and stop ids, decoding (the partial schedule ends a sample on them)
+    step_restarts: int  # servers restarted since ``new_step`` (a metric; 0 without servers)
+    resync: Callable[[list], None] | None  # called with the restarted servers: the loop sends them the weights
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1) -> list[Sample]:
         """``n`` samples per prompt, grouped in prompt order: [p0s0..p0s(n-1), p1s0, ...]."""
@@ -30,12 +36,12 @@ class RolloutEngine(Protocol):
         """Complete groups (lists of ``n`` Samples of one prompt, in sample order) as they finish, in any order."""
         ...
 
-    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
+    def generate_requests(self, requests: list[GenRequest], sampling: SamplingParams) -> Iterator[Sample]:
+        """One sample per request as each finishes (``prompt_index`` = the request's position); after ``abort()`` the
+        rest come back with finish_reason 'abort' and the tokens they have so far (partial rollout resumes them)."""
+        ...
 
-    # partial rollout (rollout.partial) also needs, in both engines:
-    # generate_requests(requests: list[GenRequest], sampling) -> Iterator[Sample]: one sample per request as each
-    # finishes (prompt_index = the request's position); after abort() the rest come back, finish_reason 'abort',
-    # with the tokens they have so far
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
 
     def abort(self) -> None:
         """Stop everything in flight; unfinished samples end with finish_reason 'abort'."""
@@ -49,8 +55,39 @@ class RolloutEngine(Protocol):
 
     def health(self) -> bool: ...
 
+    def new_step(self) -> None:
+        """A training step begins: per-step budgets (server restarts) start again."""
+        ...
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop what the engine started."""
+        ...
+
     @property
     def weight_version(self) -> int: ...
+
+
+class EngineBase:
+    """Defaults for an engine without servers (in process, or a test's stand-in): nothing to restart or stop."""
+
+    tokenizer: TokenizerInfo | None = None
+    step_restarts: int = 0
+    resync: Callable[[list], None] | None = None
+
+    def new_step(self) -> None:
+        self.step_restarts = 0
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------------------------

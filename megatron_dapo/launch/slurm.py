@@ -16,7 +16,7 @@ serves; servers use ``--enable-memory-saver``, their CUDA graphs included) and `
 are no servers.
 
 Servers listen on their node's address (the one the ranks use), not on all interfaces, and require the job's API key
-(``rollout/sglang_auth.py``): the supervisor makes one per job when it starts (or takes $DAPO_SGLANG_API_KEY), writes
+(``engines/sglang/auth.py``): the supervisor makes one per job when it starts (or takes $DAPO_SGLANG_API_KEY), writes
 it to ``<log dir>/sglang-args.yaml`` (mode 0600, SGLang's ``--config``; removed at the end) and gives it to the trainer
 step only, in its environment. The plan, its dry run and every command line name the file, never the key.
 """
@@ -31,14 +31,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config import (
-    ConfigError,
-    DapoConfig,
-    check_divisible,
-    check_world_divides,
-    load_arch,
-    load_config,
-)
+from megatron_dapo.config import ConfigError, DapoConfig, check_divisible, check_world_divides, load_arch, load_config
 from megatron_dapo.launch.health import health_timeout_s
 from megatron_dapo.launch.layout import (
     check_fits,
@@ -182,7 +175,7 @@ def _fill(template: str, **values: object) -> list[str]:
 def sglang_server_env(cfg: DapoConfig, colocated: bool) -> dict[str, str]:
     """The environment of every server task (``srun --export``): ``sglang_server.server_env`` (colocated: with the
     memory saver's variables, as for ``--enable-memory-saver``) and ``rollout.sglang_env``."""
-    from megatron_dapo.rollout.sglang_server import server_env, server_pythonpath
+    from megatron_dapo.engines.sglang.server import server_env, server_pythonpath
 
     env = server_env(cfg.rollout.sglang_device, memory_saver=colocated)
     if cfg.rollout.sglang_pythonpath:
@@ -199,12 +192,12 @@ def sglang_server_command(
     No ``--dp-size``: SGLang's weight-update endpoints assert dp_size == 1, so a data-parallel server could never be
     synced; the server uses ``rollout.sglang_tp`` GPUs of its node from ``--base-gpu-id`` on (it sees all of them, as
     in slime and NeMo-RL): one server per rollout-TP group (launch/placement.py)."""
-    from megatron_dapo.rollout.sglang_server import PLATFORMS, server_args
+    from megatron_dapo.engines.sglang.server import PLATFORMS, server_args
 
     r = cfg.rollout
     if not cfg.model.hf_init:
         raise ConfigError("model.hf_init = None: SGLang servers (rollout.engine = 'sglang') need an HF checkpoint dir")
-    cmd = [python, "-m", "megatron_dapo.rollout.sglang_auth", python, "-m", "sglang.launch_server"]
+    cmd = [python, "-m", "megatron_dapo.engines.sglang.auth", python, "-m", "sglang.launch_server"]
     cmd += ["--model-path", cfg.model.hf_init, "--host", host, "--config", args_file]
     cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--base-gpu-id", str(base_gpu_id)]
     cmd += ["--mem-fraction-static", str(r.mem_fraction)]
@@ -437,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.describe())
             return 0
-        from megatron_dapo.preflight import launch_preflight  # the GPU stack of the steps' interpreter, before a step
+        from megatron_dapo.launch.preflight import (  # the GPU stack of the steps' interpreter, before a step
+            launch_preflight,
+        )
 
         launch_preflight(load_config(opts.recipe, opts.overrides), plan.gpus_per_node, len(plan.servers), opts.python,
                          stand_ins=bool(opts.server_cmd or opts.trainer_cmd))  # fmt: skip

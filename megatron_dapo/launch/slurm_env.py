@@ -106,7 +106,7 @@ def torch_env_from_slurm(env: dict | None = None) -> dict[str, str]:
     engine = node_rank * int(env.get("DAPO_ENGINES_PER_NODE") or 1) + int(out["LOCAL_RANK"]) // per_engine
     if env.get("DAPO_PLACEMENT") == "colocated" and engine < len(urls):
         out["DAPO_LOCAL_SERVER_URL"] = urls[engine]
-        # the first rank of the engine's share posts its weights (placement.SyncRoute.poster; rollout/node_sync.py)
+        # the first rank of the engine's share posts its weights (placement.SyncRoute.poster; sync/per_node.py)
         out["DAPO_LOCAL_SERVER_POSTER"] = "1" if int(out["LOCAL_RANK"]) % per_engine == 0 else "0"
     return out
 

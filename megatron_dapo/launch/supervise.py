@@ -14,10 +14,10 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_dapo.engines.sglang.auth import API_KEY_ENV, new_api_key, write_args_file
 from megatron_dapo.launch.health import progress
 from megatron_dapo.launch.slurm_env import LaunchError
 from megatron_dapo.launch.stop import StopRelay
-from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, new_api_key, write_args_file
 
 if TYPE_CHECKING:
     from megatron_dapo.launch.slurm import LaunchPlan, Step

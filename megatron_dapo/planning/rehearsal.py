@@ -128,7 +128,7 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
                "transport": r.transport} for r in placement.routes]  # fmt: skip
     concurrency = 0
     if cfg.rollout.engine == "sglang":
-        from megatron_dapo.rollout.sglang_capacity import per_server_concurrency
+        from megatron_dapo.engines.sglang.capacity import per_server_concurrency
 
         concurrency = per_server_concurrency(cfg)
     return SyncPlan(export, gather, routes, concurrency)
@@ -184,7 +184,7 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     return [
         PhaseRow("startup", [weights, grads, optim, engine_weights, kv, graphs, overhead]),
         PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, overhead]),
-        # the KV cache and graphs come back after the sync (rollout/phases.py AFTER_SYNC)
+        # the KV cache and graphs come back after the sync (loop/phases.py AFTER_SYNC)
         PhaseRow("sync", [weights, off_grads, off_optim, engine_weights, bucket, overhead]),
         PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, released, overhead]),
         PhaseRow("train", [weights, grads, optim, acts, logits, released, overhead]),

@@ -35,7 +35,7 @@ def make_cfg(**over):
 
 def make_seqs(n=8, seed=0, vocab=32, group=1):
     """``n`` sequences; with ``group`` > 1, consecutive runs of ``group`` share their prompt (as rollout groups do)."""
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(seed)
     seqs = []

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 
 def main(out: str, mode: str, default_timeout: float, rollout_s: float) -> None:
-    from megatron_dapo.rollout.driver import on_driver, set_control_timeout
-    from megatron_dapo.rollout.phases import MemoryPhases
+    from megatron_dapo.loop.control import on_driver, set_control_timeout
+    from megatron_dapo.loop.phases import MemoryPhases
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=default_timeout))  # NCCL's role on a GPU
     rank = dist.get_rank()

@@ -32,10 +32,11 @@ def batch(Sequence) -> list:
 
 
 def main(out: str, mode: str) -> None:
-    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.types import Sequence
     from megatron_dapo.actor.shares import RemoteSequence
     from megatron_dapo.config import load_config
-    from megatron_dapo.rollout.driver import scatter_batch
+    from megatron_dapo.loop.control import scatter_batch
 
     cfg = load_config("demo_cpu", ["parallel.tp=1", "train.batch_prompts=8", "train.mini_batch_prompts=4",
                                    "algo.group_size=4", "train.warmup_steps=0"])  # fmt: skip

@@ -44,11 +44,11 @@ def export(rank: int, n: int = 3):
 
 
 def main(out: str, peer_fails: bool) -> None:
-    from megatron_dapo.rollout.engine import WeightSyncError
-    from megatron_dapo.rollout.node_sync import LocalRoute, NodeLocalSync
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer
-    from megatron_dapo.rollout.sglang_sync import TensorSync
+    from megatron_dapo.types import WeightSyncError
+    from megatron_dapo.sync.per_node import LocalRoute, NodeLocalSync
+    from megatron_dapo.engines.sglang.client import SGLangEngine
+    from megatron_dapo.engines.sglang.server import SGLangServer
+    from megatron_dapo.engines.sglang.sync import TensorSync
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

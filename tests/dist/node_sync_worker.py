@@ -22,7 +22,7 @@ class Recorder:
         self.url, self.fail, self.received = url, fail, []
 
     def sync(self, buckets, version):
-        from megatron_dapo.rollout.weight_sync import SyncReport
+        from megatron_dapo.sync.weight_sync import SyncReport
 
         for i, bucket in enumerate(buckets):
             if self.fail and i == 1:
@@ -39,8 +39,8 @@ def export(n: int = 4):
 
 
 def main(out: str, fail_rank: int, at_init: bool = False) -> None:
-    from megatron_dapo.rollout.engine import WeightSyncError
-    from megatron_dapo.rollout.node_sync import LocalRoute, NodeLocalSync
+    from megatron_dapo.types import WeightSyncError
+    from megatron_dapo.sync.per_node import LocalRoute, NodeLocalSync
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

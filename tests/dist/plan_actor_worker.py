@@ -22,7 +22,8 @@ def main(out: str, archs: str, tp: int, pp: int) -> None:
 def measure(arch: str, tp: int, pp: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.types import Sequence
     from megatron_dapo.config import load_config
 
     cfg = load_config("demo_cpu", [f"model.arch={arch}", f"parallel.tp={tp}", f"parallel.pp={pp}"])

@@ -28,13 +28,14 @@ def hf_logprob_gap(hf_dir: str, seqs, actor_lp, plant: bool = False) -> float:
 
 
 def main(out: str, hf_dir: str) -> None:
-    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.types import Sequence
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
     from megatron_dapo.config import load_config
-    from megatron_dapo.rollout.driver import broadcast
-    from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
-    from megatron_dapo.rollout.hf_engine import HFEngine
-    from megatron_dapo.rollout.weight_sync import CopySync
+    from megatron_dapo.loop.control import broadcast
+    from megatron_dapo.types import SamplingParams, TokenizerInfo
+    from megatron_dapo.engines.hf import HFEngine
+    from megatron_dapo.sync.weight_sync import CopySync
 
     cfg = load_config("demo_cpu", ["parallel.tp=2", "train.batch_prompts=4", "train.mini_batch_prompts=2"])
     actor = MegatronActor(cfg)

@@ -43,7 +43,7 @@ class SlowEngine(TickEngine):
 
 
 def run_mode(mode: str, gen_s: float) -> None:
-    from megatron_dapo.rollout.driver import on_driver
+    from megatron_dapo.loop.control import on_driver
 
     kind, carry = mode.split("-")
     c = cfg(f"rollout.schedule={kind}", f"rollout.partial={carry}", "rollout.colocate=false", "train.steps=2")
@@ -65,7 +65,7 @@ def run_mode(mode: str, gen_s: float) -> None:
 
 
 def main(out: str, modes: str, default_timeout: float, gen_s: float) -> None:
-    from megatron_dapo.rollout.driver import set_control_timeout
+    from megatron_dapo.loop.control import set_control_timeout
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=default_timeout))  # NCCL's role on a GPU
     rank = dist.get_rank()

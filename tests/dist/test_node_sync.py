@@ -1,4 +1,4 @@
-"""Per-node weight sync (rollout/node_sync.py) on 3 ranks: each engine updated by its own poster only, every rank
+"""Per-node weight sync (sync/per_node.py) on 3 ranks: each engine updated by its own poster only, every rank
 learns every outcome, and a failure on one node raises on every rank without leaving a collective half done."""
 
 from __future__ import annotations

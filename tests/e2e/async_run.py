@@ -14,7 +14,7 @@ import signal
 import sys
 
 from megatron_dapo.config import load_config
-from megatron_dapo.trainer import Trainer
+from megatron_dapo.loop.trainer import Trainer
 
 
 def main(out: str, kill_step: int, resume: str, overrides: list[str]) -> None:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 
 def seqs_for(n, min_len, max_len, vocab, seed=0):
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -72,7 +72,7 @@ def main(scenario: str, out: str, *overrides: str) -> None:
             actor.save(paths["save"])
         result.update(_step(actor, seqs_for(6, 32, 256, actor.arch.vocab_size)))
     elif scenario == "offload":  # grads + Adam states to the host and back: freed, then the same next step
-        from megatron_dapo.rollout.phases import offload_train_state, reload_train_state
+        from megatron_dapo.loop.phases import offload_train_state, reload_train_state
 
         seqs = seqs_for(6, 32, 256, actor.arch.vocab_size)
         _step(actor, seqs)  # Adam allocates its states

@@ -19,10 +19,10 @@ if importlib.util.find_spec("sglang") is None:
         pytest.fail("DAPO_REQUIRE_SGLANG=1 but sglang is not installed on this GPU machine", pytrace=False)
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from megatron_dapo.rollout.engine import SamplingParams, WeightSyncError  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServer  # noqa: E402
-from megatron_dapo.rollout.sglang_sync import DiskSync, DistributedSync, TensorSync  # noqa: E402
-from tests.sglang.helpers import (  # noqa: E402  # noqa: E402
+from megatron_dapo.engines.sglang.server import SGLangServer  # noqa: E402
+from megatron_dapo.engines.sglang.sync import DiskSync, DistributedSync, TensorSync  # noqa: E402
+from megatron_dapo.types import SamplingParams, WeightSyncError  # noqa: E402
+from tests.sglang.helpers import (  # noqa: E402
     ARCH,
     buckets,
     corrupting,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, api_key
+from megatron_dapo.engines.sglang.auth import API_KEY_ENV, api_key
 from tests.sglang.helpers import ARCH, cpu_server, make_engine, random_weights, save_model
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.config import ArchConfig
-from megatron_dapo.rollout.engine import TokenizerInfo
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import SGLangServer
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.engines.sglang.server import SGLangServer
+from megatron_dapo.types import TokenizerInfo
 from tests.helpers import REPO
 
 SUPPORT = REPO / "tests" / "sglang_cpu_support"  # the CPU server process's import-only stand-ins

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from megatron_dapo.config import load_config
-from megatron_dapo.trainer import Trainer
+from megatron_dapo.loop.trainer import Trainer
 
 
 def main(out: str, kill_step: int, kill_at: int, overrides: list[str]) -> None:

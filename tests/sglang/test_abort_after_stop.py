@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from megatron_dapo.rollout.engine import Sample, SamplingParams
-from megatron_dapo.rollout.schedule import Slot
-from megatron_dapo.rollout.sglang_server import http_call
+from megatron_dapo.engines.sglang.server import http_call
+from megatron_dapo.loop.schedule import Slot
+from megatron_dapo.types import Sample, SamplingParams
 from tests.unit.test_schedule import cfg, schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

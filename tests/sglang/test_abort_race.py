@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from megatron_dapo.rollout import sglang_capacity, sglang_engine
-from megatron_dapo.rollout.engine import GenRequest, SamplingParams
-from megatron_dapo.rollout.sglang_server import http_call
+from megatron_dapo.engines.sglang import capacity as sglang_capacity
+from megatron_dapo.engines.sglang import client as sglang_engine
+from megatron_dapo.engines.sglang.server import http_call
+from megatron_dapo.types import GenRequest, SamplingParams
 from tests.sglang.helpers import make_engine
 
 pytestmark = pytest.mark.timeout(300)

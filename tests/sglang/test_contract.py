@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_dapo.rollout import sglang_types as T
+from megatron_dapo.engines.sglang import types as T
 from tests.sglang.helpers import SUPPORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

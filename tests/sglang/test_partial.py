@@ -12,8 +12,8 @@ import pytest
 from megatron_dapo.algo.sampling import DynamicSampler
 from megatron_dapo.config import load_config
 from megatron_dapo.data.dataset import PromptItem, PromptIterator
-from megatron_dapo.rollout.engine import GenRequest, SamplingParams, TokenizerInfo
-from megatron_dapo.rollout.schedule import PartialSchedule
+from megatron_dapo.loop.schedule import PartialSchedule
+from megatron_dapo.types import GenRequest, SamplingParams, TokenizerInfo
 from tests.sglang.test_server import _server_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

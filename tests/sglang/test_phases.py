@@ -12,9 +12,9 @@ import re
 import threading
 import time
 
-from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.phases import MemoryPhases
-from megatron_dapo.rollout.sglang_sync import TensorSync
+from megatron_dapo.engines.sglang.sync import TensorSync
+from megatron_dapo.loop.phases import MemoryPhases
+from megatron_dapo.types import SamplingParams
 from tests.sglang.helpers import buckets
 
 ENDPOINTS = ("/v1/loads", "/release_memory_occupation", "/resume_memory_occupation", "/generate", "/abort_request",

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.sglang_server import http_call
+from megatron_dapo.engines.sglang.server import http_call
+from megatron_dapo.types import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPT = [1 + i % 30 for i in range(480)]  # 60 chunks of 8 tokens (the tiny model's positions: 512)

@@ -9,8 +9,8 @@ import stat
 import psutil
 import pytest
 
-from megatron_dapo.rollout.sglang_auth import api_key, secrets_of
-from megatron_dapo.rollout.sglang_server import ServerRequestError, http_call
+from megatron_dapo.engines.sglang.auth import api_key, secrets_of
+from megatron_dapo.engines.sglang.server import ServerRequestError, http_call
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -74,7 +74,7 @@ def test_every_generated_key_survives_sglangs_own_config_parser(tmp_path):
     import yaml
     from sglang.srt.server_args import prepare_server_args
 
-    from megatron_dapo.rollout.sglang_auth import new_api_key, write_args_file
+    from megatron_dapo.engines.sglang.auth import new_api_key, write_args_file
 
     path = tmp_path / "args.yaml"
     for _ in range(200):

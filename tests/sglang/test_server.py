@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from megatron_dapo.rollout.engine import RolloutError, SamplingParams
-from megatron_dapo.rollout.sglang_server import ServerRequestError, SGLangServer, http_call
-from megatron_dapo.rollout.sglang_sync import DiskSync
+from megatron_dapo.engines.sglang.server import ServerRequestError, SGLangServer, http_call
+from megatron_dapo.engines.sglang.sync import DiskSync
+from megatron_dapo.types import RolloutError, SamplingParams
 from tests.sglang.helpers import ARCH, cpu_server, hf_logprobs, make_engine, mean_gap, random_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -150,7 +150,7 @@ def test_deaths_beyond_the_step_limit_stop_naming_node_and_log(server, tmp_path)
     """rollout.max_restarts_per_step = 0: the first death stops the step with one line naming node, URL and log."""
     import socket
 
-    from megatron_dapo.rollout.sglang_engine import ServerRestartLimit
+    from megatron_dapo.engines.sglang.client import ServerRestartLimit
 
     engine = make_engine(server, resync=lambda dead: None, max_restarts_per_step=0, max_retries=1)
     try:
@@ -193,7 +193,7 @@ def test_router_generates_and_weight_sync_goes_to_the_workers(server, tmp_path):
     takes the job's key (``--api-key``): requests without it or with another are refused by the router itself (its
     401 has an empty body; the worker's says ``{"error":"Unauthorized"}``), the key's requests reach the worker."""
     from megatron_dapo.actor.dist import free_port
-    from megatron_dapo.rollout.sglang_auth import api_key
+    from megatron_dapo.engines.sglang.auth import api_key
 
     port = free_port("127.0.0.1")
     log = open(tmp_path / "router.log", "wb")

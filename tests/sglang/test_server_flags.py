@@ -22,7 +22,7 @@ def test_the_check_agrees_with_sglangs_parser(tmp_path):
 
 
 def test_servers_the_trainer_starts_use_the_same_check(tmp_path):
-    from megatron_dapo.rollout.sglang_server import SGLangServer
+    from megatron_dapo.engines.sglang.server import SGLangServer
 
     with pytest.raises(ValueError, match=r"--dp-s 2: every weight-update endpoint"):
         SGLangServer(tmp_path, port=1, extra_args=["--dp-s", "2"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.rollout.engine import SamplingParams, WeightSyncError
+from megatron_dapo.types import SamplingParams, WeightSyncError
 from tests.sglang.helpers import (
     ARCH,
     buckets,

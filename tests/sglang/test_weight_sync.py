@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from megatron_dapo.config import load_config
-from megatron_dapo.rollout.driver import make_weight_sync
-from megatron_dapo.rollout.engine import SamplingParams, WeightSyncError
-from megatron_dapo.rollout.sglang_server import ServerRequestError, http_call
-from megatron_dapo.rollout.sglang_sync import DiskSync, DistributedSync, TensorSync
+from megatron_dapo.engines.sglang.server import ServerRequestError, http_call
+from megatron_dapo.engines.sglang.sync import DiskSync, DistributedSync, TensorSync
+from megatron_dapo.loop.rollout import make_weight_sync
+from megatron_dapo.types import SamplingParams, WeightSyncError
 from tests.sglang.helpers import ARCH, buckets, corrupting, hf_logprobs, mean_gap, random_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -118,7 +118,7 @@ def test_colocated_plan_16_nodes():
         # locked down: the node's address (dry run: its name), the key in a file, the output redacted by the wrapper
         assert f"--host {s.nodes[0]} " in cmd and "0.0.0.0" not in cmd and "api-key" not in cmd
         assert f"--config {plan.server_args_file}" in cmd and plan.server_args_file.endswith("/sglang-args.yaml")
-        assert s.command[1:4] == ["-m", "megatron_dapo.rollout.sglang_auth", s.command[0]]
+        assert s.command[1:4] == ["-m", "megatron_dapo.engines.sglang.auth", s.command[0]]
         assert s.srun[:2] == ["srun", "--overlap"] and f"--nodelist={s.nodes[0]}" in s.srun
         assert s.name == f"dapo-server-{s.nodes[0]}-g{base}" and s.log.endswith(f"server-{s.nodes[0]}-g{base}.log")
     t = plan.trainer.srun
@@ -295,12 +295,12 @@ def test_supervisor_fails_fast_and_tears_down(tmp_path, python):
 
 @pytest.mark.timeout(60)
 def test_supervisor_success_stops_servers(tmp_path, python):
-    """The server runs behind the real wrapper (rollout/sglang_auth.py) and prints the key as SGLang does: the key's
+    """The server runs behind the real wrapper (engines/sglang/auth.py) and prints the key as SGLang does: the key's
     value must be in no log, no command line and no environment of the server; SIGTERM reaches it through the wrapper.
     """
     port = free_port()
     pids = tmp_path / "pids"
-    server = (f"{{python}} -m megatron_dapo.rollout.sglang_auth {{python}} {HERE}/fake_sglang_server.py --port {{port}} "
+    server = (f"{{python}} -m megatron_dapo.engines.sglang.auth {{python}} {HERE}/fake_sglang_server.py --port {{port}} "
               f"--node {{node}} --pid-dir {pids} --config {{args_file}}")  # fmt: skip
     plan = plan_for(
         *ONE_NODE, f"cluster.server_port={port}", nodes=1, log_dir=str(tmp_path / "logs"), server_cmd=server

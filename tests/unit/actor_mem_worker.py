@@ -42,7 +42,7 @@ def _config(spec: dict):
 
 
 def _sequences(spec: dict, vocab: int) -> list:
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(0)
     return [

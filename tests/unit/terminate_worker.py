@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.rollout.sglang_server import SGLangServer
+from megatron_dapo.engines.sglang.server import SGLangServer
 from megatron_dapo.runs import exit_on_terminate
 
 FAKE = Path(__file__).resolve().parents[1] / "slurm" / "fake_sglang_server.py"

@@ -18,7 +18,7 @@ def actor():
 
 
 def _seqs(advantages):
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(0)
     return [Sequence(torch.randint(0, 25, (14,), generator=g), 6, advantage=a) for a in advantages]

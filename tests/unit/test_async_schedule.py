@@ -1,4 +1,4 @@
-"""one_step_off and bounded-staleness async (rollout/async_schedule.py) on the tick engine of test_schedule.py, driven
+"""one_step_off and bounded-staleness async (loop/async_schedule.py) on the tick engine of test_schedule.py, driven
 by a stand-in for the trainer's loop (next_batch, train, before_sync, sync, weights_updated): the producer runs ahead
 by at most its depth, never generates across a weight change, tags every token's lag, and its checkpoint resumes
 exactly (no prompt lost, none trained twice)."""
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.rollout.async_schedule import AsyncSchedule
-from megatron_dapo.rollout.engine import GenRequest, sample_seed
-from megatron_dapo.rollout.schedule import SyncSchedule
+from megatron_dapo.loop.async_schedule import AsyncSchedule
+from megatron_dapo.loop.schedule import SyncSchedule
+from megatron_dapo.types import GenRequest, sample_seed
 from tests.unit.test_schedule import MAX_NEW, TickEngine, items
 from tests.unit.test_schedule import cfg as partial_cfg
 from tests.unit.test_schedule import schedule as make
@@ -64,7 +64,7 @@ def schedule(c, delay: float = 0.0, data=None):
 
 
 def loop(s, steps: int, start: int = 1, train=lambda step: None):
-    """The trainer's calls per step, as trainer.py makes them; (groups, metrics, stats, seqs) per step."""
+    """The trainer's calls per step, as loop/trainer.py makes them; (groups, metrics, stats, seqs) per step."""
     out = []
     for step in range(start, start + steps):
         seqs, (metrics, stats) = s.next_batch(step)
@@ -224,7 +224,7 @@ def test_a_producer_failure_is_raised_in_the_trainer():
 def test_the_trainer_has_no_branch_on_the_schedule():
     from tests.helpers import REPO
 
-    src = (REPO / "megatron_dapo" / "trainer.py").read_text()
+    src = (REPO / "megatron_dapo" / "loop/trainer.py").read_text()
     assert not re.search(r"cfg\.rollout\.(schedule|partial|max_staleness)\b", src)  # the mode: the schedule's
     for call in ("schedule.next_batch", "schedule.before_sync()", "schedule.weights_updated(", "schedule.state_dict()",
                  "schedule.close()"):  # fmt: skip

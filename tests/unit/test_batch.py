@@ -1,11 +1,11 @@
-"""batch.py: scored groups → shaped rewards → advantages → training sequences, and the logprob gap statistic."""
+"""algo/batch.py: scored groups → shaped rewards → advantages → training sequences, and the logprob gap statistic."""
 
 import pytest
 import torch
 
-from megatron_dapo.batch import Group, group_from_samples, logprob_gap_stats, shaped_rewards, to_sequences
+from megatron_dapo.algo.batch import Group, group_from_samples, logprob_gap_stats, shaped_rewards, to_sequences
 from megatron_dapo.config import DapoConfig
-from megatron_dapo.rollout.engine import Sample
+from megatron_dapo.types import Sample
 
 
 def group(prompt, responses, correct, finish=None, logprobs=None):

@@ -161,7 +161,7 @@ def test_qk_layernorm_is_fixed_by_the_family(tmp_path):
 def test_sglang_layout_of_a_qwen3_at_tp2():
     """What the weights checker expects from a TP2 SGLang server (the real one: tests/sglang/test_qwen3.py at TP1):
     q/k norms replicated, q/k/v fused per rank, no bias entries."""
-    from megatron_dapo.rollout.sglang_layout import ServerChecksums, server_tensor_hash
+    from megatron_dapo.engines.sglang.layout import ServerChecksums, server_tensor_hash
 
     arch = QWEN3_TINY
     hf = make_hf_model(arch).state_dict()

@@ -9,13 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_dapo.data.dataset import (
-    DataError,
-    PromptDataset,
-    PromptIterator,
-    load_parquet_rows,
-    prompt_key,
-)
+from megatron_dapo.data.dataset import DataError, PromptDataset, PromptIterator, load_parquet_rows, prompt_key
 from megatron_dapo.data.tokenizer import CharTokenizer, load_tokenizer
 from tests.helpers import make_char_hf_tokenizer
 

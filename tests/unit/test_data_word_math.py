@@ -45,7 +45,7 @@ def test_config_keys_are_checked_by_name():
 
 
 def test_fallback_to_hf_engine_only_without_sglang(monkeypatch, capsys):
-    from megatron_dapo import trainer
+    from megatron_dapo.loop import trainer
 
     cfg = load_config("smollm2_math_cpu", ["model.hf_init=/some/dir"])
     trainer.prepare_model_and_engine(cfg)

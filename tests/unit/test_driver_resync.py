@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_dapo.config import load_config
-from megatron_dapo.rollout import driver as driver_mod
-from megatron_dapo.rollout.driver import RolloutDriver
-from megatron_dapo.rollout.engine import RolloutError
+from megatron_dapo.loop import rollout as driver_mod
+from megatron_dapo.loop.rollout import RolloutDriver
+from megatron_dapo.types import RolloutError
 
 
 class FakeSync:

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from megatron_dapo.actor.actor import Sequence, per_position_arrays
+from megatron_dapo.actor.actor import per_position_arrays
 from megatron_dapo.data.geometry import Geometry, micro_batch_geometry
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences
 from megatron_dapo.data.shared_prompt import shared_prompt_batch
+from megatron_dapo.types import Sequence
 
 SETTINGS = [  # (fp8, tp, sequence_parallel, cp)
     (fp8, tp, sp, cp)

@@ -48,9 +48,9 @@ def test_the_hand_off_fails_when_sglang_refuses_the_payload(monkeypatch):
 
     import torch
 
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer
-    from megatron_dapo.rollout.sglang_sync import TensorSync
+    from megatron_dapo.engines.sglang.client import SGLangEngine
+    from megatron_dapo.engines.sglang.server import SGLangServer
+    from megatron_dapo.engines.sglang.sync import TensorSync
 
     engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", device="cpu")], dtype="bfloat16", start=False)
     _, blob, _ = TensorSync(engine, verify="off").serialize([("w", torch.ones(4))])

@@ -1,10 +1,10 @@
-"""Partial rollout (rollout/schedule.py ``PartialSchedule._extend``): a sample aborted right after it emitted a stop
+"""Partial rollout (loop/schedule.py ``PartialSchedule._extend``): a sample aborted right after it emitted a stop
 token (EOS or a sampling stop id) has ended, whatever its finish reason says: it is judged, never resumed past it."""
 
 from __future__ import annotations
 
-from megatron_dapo.rollout.engine import Sample, SamplingParams, TokenizerInfo
-from megatron_dapo.rollout.schedule import Slot
+from megatron_dapo.loop.schedule import Slot
+from megatron_dapo.types import Sample, SamplingParams, TokenizerInfo
 from tests.unit.test_schedule import MAX_NEW, RESP, TickEngine, cfg, run_steps, schedule
 
 EOS = RESP + 3  # one of the tick engine's response tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megatron_dapo.config import load_config
-from megatron_dapo.rollout.phases import MemoryPhases, NoPhases, make_phases
+from megatron_dapo.loop.phases import MemoryPhases, NoPhases, make_phases
 
 
 class Recorder:
@@ -70,7 +70,7 @@ class Hooked:
 def test_trainer_state_hooks_call_megatron_core_only_with_cuda(monkeypatch):
     import torch
 
-    from megatron_dapo.rollout import phases as ph
+    from megatron_dapo.loop import phases as ph
 
     calls = []
     actor = SimpleNamespace(model=[Hooked(calls, "chunk0"), Hooked(calls, "chunk1")], optimizer=Hooked(calls, "opt"))

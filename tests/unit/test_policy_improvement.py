@@ -48,7 +48,7 @@ def make_actor():
 
 def _groups(tok, rollout_shift=None):
     """One group; ``rollout_shift[j]`` = log w_j: the rollout logprobs are set to π_old − log w_j (filled in later)."""
-    from megatron_dapo.batch import Group
+    from megatron_dapo.algo.batch import Group
 
     prompt = tok.encode(PROMPT)
     responses = [tok.encode(text) + [tok.eos_token_id] for text, _ in RESPONSES]
@@ -108,7 +108,7 @@ def _step_and_predict(actor, seqs, weights):
 
 
 def test_one_update_moves_each_response_as_the_objective_predicts(make_actor):
-    from megatron_dapo.batch import to_sequences
+    from megatron_dapo.algo.batch import to_sequences
     from megatron_dapo.data.tokenizer import load_tokenizer
 
     actor = make_actor()
@@ -133,7 +133,7 @@ def test_tis_weights_reach_the_loss_through_the_actor(make_actor):
     """algo.tis = on: the group's rollout logprobs become each token's weight min(π_old/π_rollout, C) in the loss
     (hand loss and gradient with the weights), and ``train/tis_*`` are reported. Weights 0.5, 1.5, 3 (capped at 2),
     and 1."""
-    from megatron_dapo.batch import to_sequences
+    from megatron_dapo.algo.batch import to_sequences
     from megatron_dapo.data.tokenizer import load_tokenizer
 
     actor = make_actor('algo.tis="on"', "algo.tis_cap=2.0")

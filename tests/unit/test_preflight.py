@@ -1,4 +1,4 @@
-"""Build 4 of issue 22: the start-up preflight (``megatron_dapo/preflight.py``) of ``dapo train`` and ``dapo launch``.
+"""Build 4 of issue 22: the start-up preflight (``megatron_dapo/launch/preflight.py``) of ``dapo train`` and ``dapo launch``.
 The checks are pure functions over probed facts: GPU environments are faked here; this CPU environment's real facts
 pass silently for the CPU recipes."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_dapo.config import load_config
-from megatron_dapo.preflight import FIX_ENV, Facts, PreflightError, check, needs_for, probe, train_preflight
+from megatron_dapo.launch.preflight import FIX_ENV, Facts, PreflightError, check, needs_for, probe, train_preflight
 from megatron_dapo.versions import MCORE_RANGE
 from tests.helpers import fake_allocation_srun
 
@@ -62,8 +62,9 @@ def test_te_is_needed_only_where_the_spec_asks_for_it():
 
 
 def test_dapo_train_refuses_before_building_anything(monkeypatch, capsys):
-    import megatron_dapo.trainer as trainer
-    from megatron_dapo import cli, preflight
+    import megatron_dapo.loop.trainer as trainer
+    from megatron_dapo import cli
+    from megatron_dapo.launch import preflight
 
     monkeypatch.setattr(trainer, "Trainer", lambda *a, **k: pytest.fail("the trainer was built"))
     monkeypatch.setattr(preflight, "probe", lambda needs=None: CPU)  # this machine, as a GPU job sees it
@@ -75,7 +76,7 @@ def test_dapo_train_refuses_before_building_anything(monkeypatch, capsys):
 
 
 def test_dapo_launch_refuses_before_any_job_step(tmp_path, monkeypatch, capsys):
-    from megatron_dapo import preflight
+    from megatron_dapo.launch import preflight
     from megatron_dapo.launch.slurm import main
 
     monkeypatch.setattr(preflight, "probe", lambda needs=None: CPU)  # this machine (its sglang import: 15 s)
@@ -103,7 +104,7 @@ def test_preflight_errors_are_config_errors():
 
 
 def test_dapo_launch_probes_the_interpreter_its_steps_run(tmp_path):
-    from megatron_dapo.preflight import probe_python
+    from megatron_dapo.launch.preflight import probe_python
 
     other = tmp_path / "python"  # another interpreter (here this one behind a wrapper): probed in its own process
     other.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')

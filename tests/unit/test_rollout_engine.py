@@ -10,17 +10,8 @@ import pytest
 import torch
 
 from megatron_dapo.config import DapoConfig
-from megatron_dapo.rollout.engine import (
-    LogprobGapError,
-    RolloutEngine,
-    Sample,
-    SamplingParams,
-    TokenizerInfo,
-    check_logprob_gap,
-    group_samples,
-    logprob_gap,
-    sample_seed,
-)
+from megatron_dapo.engines.base import RolloutEngine, check_logprob_gap, logprob_gap
+from megatron_dapo.types import LogprobGapError, Sample, SamplingParams, TokenizerInfo, group_samples, sample_seed
 from tests.helpers import repo_pythonpath
 
 
@@ -53,7 +44,7 @@ def test_sample_seed_depends_only_on_its_inputs():
     pinned = {(7, 3, 2): 1562373920, (8, 3, 2): 1260400091, (7, 0, 0): 338014427, (1234, 49, 15): 861140195}
     assert {k: sample_seed(*k) for k in pinned} == pinned
     code = ("import random, torch; random.seed(99); torch.manual_seed(99); "
-            "from megatron_dapo.rollout.engine import sample_seed; "
+            "from megatron_dapo.types import sample_seed; "
             f"print([sample_seed(*k) for k in {list(pinned)}])")  # fmt: skip
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": repo_pythonpath()}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -87,8 +78,8 @@ def test_group_samples_and_protocol():
     assert [[s.prompt_index for s in g] for g in groups] == [[0, 0], [1, 1], [2, 2]]
     with pytest.raises(ValueError):
         group_samples(samples, 4)
-    from megatron_dapo.rollout.hf_engine import HFEngine
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.engines.hf import HFEngine
+    from megatron_dapo.engines.sglang.client import SGLangEngine
 
     for cls in (HFEngine, SGLangEngine):
         for method in ("generate", "generate_stream", "update_weights", "abort", "sleep", "wake", "health"):

@@ -9,8 +9,8 @@ import torch
 
 from megatron_dapo.bridge.hf_config import hf_from_arch
 from megatron_dapo.config import ArchConfig
-from megatron_dapo.rollout.engine import RolloutError, SamplingParams, TokenizerInfo, WeightSyncError
-from megatron_dapo.rollout.hf_engine import HFEngine, filter_logits
+from megatron_dapo.engines.hf import HFEngine, filter_logits
+from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
 

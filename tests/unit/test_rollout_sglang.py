@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.rollout import sglang_types as T
-from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.engines.sglang import types as T
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.types import SamplingParams, TokenizerInfo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,8 +128,8 @@ def test_a_request_the_pool_starts_after_an_abort_is_neither_sent_nor_counted(mo
     """generate_stream queues every request on a pool of max_concurrency threads: a thread freed by the abort may pick
     up a queued request before the stream cancels it. It must see the abort and send nothing (seen: all 6 of 6 sent
     and counted under load, tests/sglang/test_server.py::test_stream_then_abort_the_surplus)."""
-    from megatron_dapo.rollout import sglang_engine
-    from megatron_dapo.rollout.sglang_server import SGLangServer
+    from megatron_dapo.engines.sglang import client as sglang_engine
+    from megatron_dapo.engines.sglang.server import SGLangServer
 
     sent = []
     monkeypatch.setattr(sglang_engine, "http_call", lambda url, path, *a, **k: sent.append(path))

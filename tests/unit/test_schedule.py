@@ -1,4 +1,4 @@
-"""The rollout schedule (rollout/schedule.py) on a fake engine that runs every request in parallel at one token per
+"""The rollout schedule (loop/schedule.py) on a fake engine that runs every request in parallel at one token per
 tick, with long-tailed lengths: partial rollout's budgets, carry order, version tags, stale drops and resume."""
 
 from __future__ import annotations
@@ -8,19 +8,20 @@ import random
 import pytest
 import torch
 
+from megatron_dapo.algo.batch import to_sequences
 from megatron_dapo.algo.offpolicy import BudgetError, check_total_length, remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import DynamicSampler
-from megatron_dapo.batch import to_sequences
 from megatron_dapo.config import load_config
 from megatron_dapo.data.dataset import PromptItem, PromptIterator
-from megatron_dapo.rollout.engine import Sample, TokenizerInfo
-from megatron_dapo.rollout.schedule import PartialSchedule, SyncSchedule, make_schedule
+from megatron_dapo.engines.base import EngineBase
+from megatron_dapo.loop.schedule import PartialSchedule, SyncSchedule, make_schedule
+from megatron_dapo.types import Sample, TokenizerInfo
 
 MAX_NEW, G = 16, 4
 RESP = 100  # response tokens are >= RESP, prompt tokens < RESP
 
 
-class TickEngine:
+class TickEngine(EngineBase):
     """Every request generates one token per tick; its total length is drawn from its seed, long-tailed (most short,
     some of the hard prompts' run to the budget). ``abort()`` stops the clock: the unfinished keep what they have."""
 

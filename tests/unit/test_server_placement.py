@@ -48,7 +48,7 @@ def test_colocated_slurm_servers_release_their_cuda_graphs():
 
 
 def _local_server(*overrides: str):
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.engines.sglang.client import SGLangEngine
 
     cfg = load_config(RECIPE_32B, list(overrides))
     (server,) = SGLangEngine.from_config(cfg, "/models/unused", start=False).servers

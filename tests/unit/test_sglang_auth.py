@@ -14,8 +14,8 @@ import time
 import pytest
 import yaml
 
-from megatron_dapo.rollout import sglang_auth
-from megatron_dapo.rollout.sglang_auth import Redactor, secrets_of, write_args_file
+from megatron_dapo.engines.sglang import auth as sglang_auth
+from megatron_dapo.engines.sglang.auth import Redactor, secrets_of, write_args_file
 
 
 def test_args_file_is_private_and_read_back(tmp_path):
@@ -44,7 +44,7 @@ def test_wrapper_redacts_forwards_the_exit_code_and_hides_the_env_key(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "megatron_dapo.rollout.sglang_auth",
+        "megatron_dapo.engines.sglang.auth",
         sys.executable,
         "-c",
         child,
@@ -65,7 +65,7 @@ def test_key_from_the_environment_else_one_per_process(monkeypatch):
 
 def _wrapped(tmp_path, child: str) -> subprocess.Popen:
     """The wrapper running ``python -c child``; returns once the child wrote ``tmp_path/ready`` (its handlers set)."""
-    cmd = [sys.executable, "-m", "megatron_dapo.rollout.sglang_auth", sys.executable, "-c", child, str(tmp_path)]
+    cmd = [sys.executable, "-m", "megatron_dapo.engines.sglang.auth", sys.executable, "-c", child, str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():

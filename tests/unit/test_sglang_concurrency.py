@@ -11,11 +11,11 @@ import time
 import pytest
 
 from megatron_dapo.config import load_config
-from megatron_dapo.rollout import sglang_engine
-from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.sglang_capacity import per_server_concurrency
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import ServerUnavailable
+from megatron_dapo.engines.sglang import client as sglang_engine
+from megatron_dapo.engines.sglang.capacity import per_server_concurrency
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.engines.sglang.server import ServerUnavailable
+from megatron_dapo.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +112,7 @@ def test_per_server_concurrency_from_the_config_alone():
 def test_open_file_limit_bounds_the_connections(monkeypatch):
     """Every request in flight holds a connection: past RLIMIT_NOFILE they fail as "too many open files", which the
     engine would take for dead servers. 32 servers × 48 with 1,024 descriptors: scaled down to fit (less the reserve)."""
-    from megatron_dapo.rollout import sglang_capacity
+    from megatron_dapo.engines.sglang import capacity as sglang_capacity
 
     monkeypatch.setattr(sglang_engine, "open_file_budget", lambda: 1024)
     fake = FakeServers(48)
@@ -130,7 +130,7 @@ def test_open_file_limit_bounds_the_connections(monkeypatch):
 def test_open_file_budget_raises_the_soft_limit():
     import resource
 
-    from megatron_dapo.rollout.sglang_capacity import open_file_budget
+    from megatron_dapo.engines.sglang.capacity import open_file_budget
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import SGLangServer
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.engines.sglang.server import SGLangServer
 
 URLS = ["http://a:1", "http://b:2"]
 

@@ -5,8 +5,8 @@ in tests/sglang/)."""
 import pytest
 import torch
 
-from megatron_dapo.rollout.engine import WeightSyncError
-from megatron_dapo.rollout.sglang_layout import ServerChecksums, server_tensor_hash
+from megatron_dapo.engines.sglang.layout import ServerChecksums, server_tensor_hash
+from megatron_dapo.types import WeightSyncError
 
 
 def rows(n: int, width: int = 3, start: float = 0.0) -> torch.Tensor:

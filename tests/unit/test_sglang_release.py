@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_dapo.rollout.engine import RolloutError
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import SGLangServer
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.engines.sglang.server import SGLangServer
+from megatron_dapo.types import RolloutError
 
 
 class Stub:

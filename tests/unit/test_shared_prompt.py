@@ -74,7 +74,7 @@ def actor():
 
 
 def test_actor_logprobs_equal_one_row_per_sequence(actor):
-    from megatron_dapo.actor.actor import Sequence
+    from megatron_dapo.types import Sequence
 
     g = torch.Generator().manual_seed(1)
     seqs = []

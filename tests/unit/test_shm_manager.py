@@ -17,9 +17,9 @@ pytest.importorskip("sglang")
 
 TRAINER = r"""
 import subprocess, sys, torch
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import SGLangServer
-from megatron_dapo.rollout.sglang_sync import TensorSync
+from megatron_dapo.engines.sglang.client import SGLangEngine
+from megatron_dapo.engines.sglang.server import SGLangServer
+from megatron_dapo.engines.sglang.sync import TensorSync
 
 engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", device="cpu")], dtype="bfloat16", start=False)
 payload, blob, _ = TensorSync(engine, verify="off").serialize([("w", torch.ones(4))])

@@ -132,10 +132,11 @@ def test_actor_thd_micro_batch_splits_every_per_position_array(monkeypatch):
     lands on exactly one CP rank with its own label, sequence, offset, old logprob, advantage and loss mask."""
     from megatron.core import parallel_state
 
-    from megatron_dapo.actor.actor import MegatronActor, Sequence
+    from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.dist import teardown
     from megatron_dapo.config import load_config
     from megatron_dapo.data.geometry import Geometry
+    from megatron_dapo.types import Sequence
 
     actor = MegatronActor(
         load_config("demo_cpu", ["train.batch_prompts=2", "train.mini_batch_prompts=2", "algo.group_size=2"])

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from megatron_dapo.config import ArchConfig, DapoConfig
-from megatron_dapo.rollout import weight_sync as ws
-from megatron_dapo.rollout.driver import make_weight_sync
-from megatron_dapo.rollout.engine import SamplingParams, TokenizerInfo, WeightSyncError
-from megatron_dapo.rollout.hf_engine import HFEngine
-from megatron_dapo.rollout.weight_sync import CopySync, tensor_checksum
+from megatron_dapo.engines.hf import HFEngine
+from megatron_dapo.loop.rollout import make_weight_sync
+from megatron_dapo.sync import weight_sync as ws
+from megatron_dapo.sync.weight_sync import CopySync, tensor_checksum
+from megatron_dapo.types import SamplingParams, TokenizerInfo, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
 

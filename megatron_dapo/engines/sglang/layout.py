@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from megatron_dapo.rollout.engine import WeightSyncError
+from megatron_dapo.types import WeightSyncError
 
 # HF projection -> (SGLang fused parameter, slot); the order of the slots is the order of the concatenation.
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}

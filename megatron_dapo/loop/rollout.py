@@ -1,15 +1,13 @@
 """The rollout side's driver: rank 0 owns the rollout engine and its weight sync, and the other ranks learn its
-results; the trainer loop (``trainer.py``) and the evaluation (``evaluate.py``) both use it, neither imports the other's
-internals.
+results; the trainer loop (``loop/trainer.py``) and the evaluation (``loop/evaluate.py``) both use it, neither imports the other's
+internals. How the ranks meet meanwhile: ``control.py``.
 
     driver = RolloutDriver(cfg, arch, tokenizer, run_dir, actor)   # engine + make_weight_sync on rank 0
     driver.sync_weights(actor, version)                            # a collective export, rank 0 sends
-    on_driver(fn, *args)                                           # fn on rank 0, its result (or error) everywhere
 """
 
 from __future__ import annotations
 
-import datetime
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,116 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_dapo.config import ConfigError, DapoConfig, load_arch
+from megatron_dapo.engines.sglang import sync as sglang_sync
+from megatron_dapo.loop.control import broadcast, control_group, is_driver, on_driver, set_control_timeout  # noqa: F401
 from megatron_dapo.ports import JobPorts
-from megatron_dapo.rollout import sglang_sync
-from megatron_dapo.rollout.engine import TokenizerInfo
-from megatron_dapo.rollout.weight_sync import CopySync, WeightSync
+from megatron_dapo.sync.weight_sync import CopySync, WeightSync
+from megatron_dapo.types import TokenizerInfo
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.actor import MegatronActor
-
-
-_CONTROL: dict = {"group": None, "timeout_s": 6 * 3600.0}
-
-
-def set_control_timeout(seconds: float) -> None:
-    """``rollout.control_timeout_s``: how long the control plane waits; before its first use (every rank)."""
-    if _CONTROL["group"] is not None and _CONTROL["timeout_s"] != seconds:
-        raise RuntimeError("the control group exists already: set its timeout before the first broadcast")
-    _CONTROL["timeout_s"] = float(seconds)
-
-
-def control_group():
-    """A gloo group over every rank, with ``rollout.control_timeout_s``: what the ranks wait on while rank 0 alone
-    works (rollout, eval, weight sync). Never the default group: on GPU that is NCCL, whose watchdog kills a rank that
-    waits longer than its timeout (10 min) inside a collective, and a CUDA stream held by a pending NCCL op."""
-    if _CONTROL["group"] is None:
-        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_CONTROL["timeout_s"]))
-    return _CONTROL["group"]
-
-
-def broadcast(obj=None):
-    """Rank 0's object on every rank, over the control plane (gloo)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=control_group())
-    return box[0]
-
-
-def control_barrier() -> None:
-    """Every rank here before any goes on (the control plane's timeout)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=control_group())
-
-
-def is_driver() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-class DriverError(RuntimeError):
-    """Raised on the other ranks when rank 0 failed in work only it does (rollout, eval, weight sync)."""
-
-
-def on_driver(fn, *args):
-    """``fn(*args)`` on rank 0 only; its result on every rank. If it raises, every rank raises: rank 0 the error
-    itself, the others a ``DriverError`` with its message, so no rank is left waiting in a collective."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn(*args)
-    outcome = None
-    if is_driver():
-        try:
-            outcome = ("ok", fn(*args))
-        except Exception as e:
-            broadcast(("error", f"rank 0: {type(e).__name__}: {e}"))
-            raise
-    kind, value = broadcast(outcome)
-    if kind == "error":
-        raise DriverError(value)
-    return value
-
-
-_DP: dict = {}
-
-
-def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
-    """Every rank's DP rank, and per DP rank d a gloo group of rank 0 and the ranks of d (created once, everywhere)."""
-    if not _DP:
-        ranks = [d for r in range(dist.get_world_size()) for d, held in enumerate(actor.dp_members) if r in held]
-        timeout = datetime.timedelta(seconds=_CONTROL["timeout_s"])
-        members = [sorted({0, *held}) for held in actor.dp_members]
-        _DP.update(ranks=ranks, members=members,
-                   groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members])  # fmt: skip
-    return _DP["ranks"], _DP["groups"]
-
-
-def scatter_batch(fn, actor: MegatronActor):
-    """``fn()`` on rank 0 -> (sequences, small extra). Every rank gets (the sequences as its DP rank needs them: its
-    share whole, the others as stubs, ``actor/shares.py``; extra). One broadcast per DP rank over a gloo group of rank
-    0 and that DP rank's ranks, not the whole batch to every rank. An error on rank 0 reaches every rank (DriverError)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn()
-    from megatron_dapo.actor.shares import dp_shares, share_for
-
-    ranks, groups = _dp_groups(actor)
-    made: dict = {}  # rank 0's sequences and DP shares: they go out per DP rank below, not to every rank
-
-    def prepare():
-        seqs, extra = fn()
-        made.update(seqs=seqs, shares=dp_shares(actor, seqs))
-        return extra
-
-    extra = on_driver(prepare)  # the small extra everywhere; rank 0's error on every rank
-    seqs, shares = made.get("seqs"), made.get("shares")
-    mine = ranks[dist.get_rank()]
-    for d, group in enumerate(groups):
-        if _DP["members"][d] == [0] or not (is_driver() or d == mine):
-            continue
-        box = [share_for(seqs, shares[d]) if is_driver() else None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        if not is_driver():
-            seqs = box[0]
-    return seqs, extra
 
 
 class RolloutDriver:
@@ -152,8 +48,7 @@ class RolloutDriver:
             self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
             # per node, rank 0's transport reaches only its own engine (what ``resync`` may restart)
             self.sync = self.node_sync.local if self.node_sync else make_weight_sync(cfg, self.engine)
-            if hasattr(self.engine, "resync"):
-                self.engine.resync = self.resync
+            self.engine.resync = self.resync
 
         # The other ranks wait here, on the control plane, not in the first export's collective of the default group
         # (NCCL, parallel.collective_timeout_s, 10 min): rank 0's server start waits up to rollout.server_timeout_s
@@ -184,7 +79,7 @@ class RolloutDriver:
         the rollout) to ``servers``, just restarted. The export runs on rank 0 alone: the other ranks wait for it in
         a broadcast, so it works where rank 0 holds the whole model (TP = PP = 1, or one process)."""
         from megatron_dapo.bridge.export import export_hf_tensors
-        from megatron_dapo.rollout.engine import RolloutError
+        from megatron_dapo.types import RolloutError
 
         p = self.cfg.parallel
         if self.cfg.rollout.schedule != "sync":
@@ -215,7 +110,7 @@ class RolloutDriver:
             self.node_sync.close()
         elif hasattr(self.sync, "close"):
             self.sync.close()
-        if hasattr(self.engine, "shutdown"):
+        if self.engine is not None:  # rank 0's
             self.engine.shutdown()
 
 
@@ -259,7 +154,7 @@ def check_tensor_sync_reach(cfg: DapoConfig, is_this_node=_is_this_node) -> None
 def _node_local_sync(cfg: DapoConfig):
     """A ``NodeLocalSync`` on every rank when ``dapo launch`` placed the servers on the ranks' nodes (colocated) and the
     transport is same-node only (``tensor``: CUDA IPC / shared memory); None otherwise, on every rank."""
-    from megatron_dapo.rollout.node_sync import LocalRoute, NodeLocalSync
+    from megatron_dapo.sync.per_node import LocalRoute, NodeLocalSync
 
     route = LocalRoute.from_env() if cfg.rollout.engine == "sglang" and cfg.rollout.weight_sync == "tensor" else None
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -275,7 +170,7 @@ def _node_local_sync(cfg: DapoConfig):
         route = None
     if route is None:
         return None
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.engines.sglang.client import SGLangEngine
 
     def transport(url: str) -> WeightSync:  # over an engine attached to this node's server (it never generates)
         return make_weight_sync(cfg, SGLangEngine.from_config(cfg, None, server_urls=[url], start=False))
@@ -286,11 +181,11 @@ def _node_local_sync(cfg: DapoConfig):
 def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
     info = TokenizerInfo.from_hf(tokenizer)
     if cfg.rollout.engine == "hf":
-        from megatron_dapo.rollout.hf_engine import HFEngine
+        from megatron_dapo.engines.hf import HFEngine
 
         dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
         return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.engines.sglang.client import SGLangEngine
 
     return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
 

@@ -36,23 +36,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.rollout import sglang_types as T
-from megatron_dapo.rollout.engine import (
-    Bucket,
-    GenRequest,
-    RolloutError,
-    Sample,
-    SamplingParams,
-    TokenizerInfo,
-    sample_seed,
-)
-from megatron_dapo.rollout.sglang_capacity import (
+from megatron_dapo.engines.sglang import types as T
+from megatron_dapo.engines.sglang.capacity import (
     fit_open_files,
     open_file_budget,
     per_server_concurrency,
     server_capacity,
 )
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.engines.sglang.server import (
     DTYPE_NAMES,
     ServerRequestError,
     ServerUnavailable,
@@ -60,6 +51,7 @@ from megatron_dapo.rollout.sglang_server import (
     http_call,
     servers_from_config,
 )
+from megatron_dapo.types import Bucket, GenRequest, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +306,7 @@ class SGLangEngine:
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Protocol method: a plain (unverified) update through safetensors on disk. The trainer uses
         ``driver.make_weight_sync`` for the configured transport with verification."""
-        from megatron_dapo.rollout.sglang_sync import DiskSync
+        from megatron_dapo.engines.sglang.sync import DiskSync
 
         DiskSync(self, verify="off").sync(buckets, version)
 

@@ -6,7 +6,7 @@ CI) passes silently.
     problems = check(needs, probe(needs))          # pure: facts in, lines out
     preflight(cfg, ...)                            # probe + check; PreflightError (a ConfigError) listing them
 
-``python -m megatron_dapo.preflight [NEEDS]`` prints this interpreter's facts as JSON: how ``dapo launch`` probes the
+``python -m megatron_dapo.launch.preflight [NEEDS]`` prints this interpreter's facts as JSON: how ``dapo launch`` probes the
 interpreter its steps run (``--python``) when that is not its own.
 """
 
@@ -131,16 +131,16 @@ def probe(needs: Needs | None = None) -> Facts:
 
 
 def probe_python(python: str, needs: Needs) -> Facts:
-    """The facts of another interpreter (``python -m megatron_dapo.preflight``); its own when it is this one."""
+    """The facts of another interpreter (``python -m megatron_dapo.launch.preflight``); its own when it is this one."""
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         return probe(needs)
     try:
-        cmd = [python, "-m", "megatron_dapo.preflight", json.dumps(asdict(needs))]
+        cmd = [python, "-m", "megatron_dapo.launch.preflight", json.dumps(asdict(needs))]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PreflightError(f"preflight: cannot run {python}: {e}") from e
     if out.returncode != 0:
-        raise PreflightError(f"preflight: {python} -m megatron_dapo.preflight failed ({out.returncode}): "
+        raise PreflightError(f"preflight: {python} -m megatron_dapo.launch.preflight failed ({out.returncode}): "
                              f"{out.stderr.strip()[-500:]}; {FIX_ENV}")  # fmt: skip
     return Facts(**json.loads(out.stdout.splitlines()[-1]))
 
@@ -170,7 +170,7 @@ def train_preflight(cfg: DapoConfig, env: dict | None = None) -> None:
     # sglang + sgl_kernel: imported once per node (the node's ranks share the environment)
     preflight(cfg, gpus, starts, gpus_why=why, sglang=env.get("LOCAL_RANK", "0") == "0")
     if env.get("RANK", "0") == "0" and not env.get("DAPO_LOCAL_SERVER_URL"):
-        from megatron_dapo.rollout.driver import check_tensor_sync_reach
+        from megatron_dapo.loop.rollout import check_tensor_sync_reach
 
         check_tensor_sync_reach(cfg)
 

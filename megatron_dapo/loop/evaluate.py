@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megatron_dapo.config import DapoConfig, EvalConfig
 from megatron_dapo.metrics import eval_metrics
-from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.types import SamplingParams
 
 
 def run_eval(
@@ -68,8 +68,9 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     from megatron_dapo.config import ArchConfig
     from megatron_dapo.data.sources import build_eval_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.loop.control import broadcast, is_driver, set_control_timeout
+    from megatron_dapo.loop.rollout import RolloutDriver
     from megatron_dapo.reward.registry import RewardScorer
-    from megatron_dapo.rollout.driver import RolloutDriver, broadcast, is_driver, set_control_timeout
 
     set_control_timeout(cfg.rollout.control_timeout_s)
     arch = ArchConfig(**read_meta(path)["arch"])

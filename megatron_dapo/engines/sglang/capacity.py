@@ -7,7 +7,7 @@ import logging
 import resource
 from collections.abc import Callable
 
-from megatron_dapo.rollout.engine import RolloutError
+from megatron_dapo.types import RolloutError
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from megatron_dapo.rollout import sglang_types as T
-from megatron_dapo.rollout.engine import RolloutError, WeightSyncError
-from megatron_dapo.rollout.sglang_layout import ServerChecksums
-from megatron_dapo.rollout.weight_sync import WeightSync, write_safetensors_dir
+from megatron_dapo.engines.sglang import types as T
+from megatron_dapo.engines.sglang.layout import ServerChecksums
+from megatron_dapo.sync.weight_sync import WeightSync, write_safetensors_dir
+from megatron_dapo.types import RolloutError, WeightSyncError
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0  # /flush_cache waits this long for running (e.g. just aborted) requests to finish
@@ -59,11 +59,19 @@ def with_poster(path: str, tag: str) -> str:
     return f"{path}{'&' if '?' in path else '?'}poster={tag}"
 
 
+@runtime_checkable
+class SGLangWorkers(Protocol):
+    """What the SGLang transports need of an engine beyond ``RolloutEngine``: its workers' endpoints
+    (``engines/sglang/client.py`` ``SGLangEngine``; it imports this module, so the check is by protocol)."""
+
+    def call_workers(self, path: str, body: Any, servers: Any = None, timeout: float | None = None) -> list: ...
+
+
 class SGLangSync(WeightSync):
     """The part every SGLang transport shares: requests to the workers, the session, the flush, verification."""
 
     def __init__(self, engine: Any, verify: str = "checksum", sample_size: int = 16, head_dim: int | None = None):
-        if not hasattr(engine, "call_workers"):
+        if not isinstance(engine, SGLangWorkers):
             raise WeightSyncError(f"this weight sync transport needs an SGLang engine, not {type(engine).__name__}")
         super().__init__(engine, verify, sample_size)
         self.dtype = getattr(torch, engine.dtype)
@@ -78,7 +86,7 @@ class SGLangSync(WeightSync):
     def _post(self, servers: list, path: str, body: dict | list[dict], timeout: float | None = None) -> list:
         """POST to every server in parallel (``body`` one for all, or one per server); any failure, an HTTP error or
         ``success: false``, raises ``WeightSyncError`` naming the server and SGLang's message, after all answered."""
-        from megatron_dapo.rollout.sglang_server import http_call
+        from megatron_dapo.engines.sglang.server import http_call
 
         bodies = body if isinstance(body, list) else [body] * len(servers)
         timeout = timeout or self.engine.server_timeout

@@ -1,6 +1,6 @@
 """Verified weight sync from the actor (HF-named full tensors, bucketed) to the rollout engine: ONE interface.
 
-    weight_sync = make_weight_sync(cfg, engine)               # rollout/driver.py; rollout.weight_sync: copy | tensor | distributed | disk
+    weight_sync = make_weight_sync(cfg, engine)               # loop/rollout.py; rollout.weight_sync: copy | tensor | distributed | disk
     report = weight_sync.sync(bridge.export(model), version)  # -> SyncReport(bytes, seconds, tensors, version, ...)
 
 Transports: ``copy`` (in-process, HF engine; here) and, for SGLang servers (``sglang_sync.py``), ``tensor``
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from megatron_dapo.rollout.engine import Bucket, WeightSyncError
+from megatron_dapo.types import Bucket, WeightSyncError
 
 __all__ = [
     "Checksum",
@@ -223,7 +223,9 @@ class CopySync(WeightSync):
     transport = "copy"
 
     def __init__(self, engine: Any, verify: str = "checksum", sample_size: int = 16):
-        if not hasattr(engine, "state_tensor"):
+        from megatron_dapo.engines.hf import HFEngine
+
+        if not isinstance(engine, HFEngine):
             raise WeightSyncError(
                 f"rollout.weight_sync = copy needs the in-process hf engine, not {type(engine).__name__}"
             )

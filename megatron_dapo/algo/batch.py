@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dapo.actor.actor import Sequence
 from megatron_dapo.algo.advantage import group_advantages
 from megatron_dapo.algo.shaping import overlong_filter_mask, overlong_penalty
 from megatron_dapo.config import DapoConfig
+from megatron_dapo.types import Sequence
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Group:
     correct: list[bool]
     data_source: str = ""
     texts: list[str] = field(default_factory=list)
-    # partial rollout (rollout/schedule.py): per sample, per response token, how many weight versions older than the
+    # partial rollout (loop/schedule.py): per sample, per response token, how many weight versions older than the
     # trainer's the weights it was sampled from are (0 = on-policy); empty = every token on-policy
     token_lag: list[list[int]] = field(default_factory=list)
 

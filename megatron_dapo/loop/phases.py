@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.rollout.driver import control_barrier, is_driver
+from megatron_dapo.loop.control import control_barrier, is_driver
 
 AFTER_SYNC = ["kv_cache", "cuda_graph"]  # resumed after the weight sync (SGLangEngine.generate_stream resumes them)
 

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.rollout.engine import RolloutError
-from megatron_dapo.rollout.sglang_auth import API_KEY_ENV, api_key, write_args_file
+from megatron_dapo.engines.sglang.auth import API_KEY_ENV, api_key, write_args_file
+from megatron_dapo.types import RolloutError
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class SGLangServer:
 
     def argv(self) -> list[str]:
         """The command line: the launcher behind the redacting wrapper; the key is in ``--config``, not here."""
-        args = [sys.executable, "-m", "megatron_dapo.rollout.sglang_auth", *self.launcher]
+        args = [sys.executable, "-m", "megatron_dapo.engines.sglang.auth", *self.launcher]
         args += ["--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port)]
         args += ["--tp-size", str(self.tp_size), "--mem-fraction-static", str(self.mem_fraction)]
         if self.dtype:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_dapo.rollout.engine import WeightSyncError
+from megatron_dapo.types import WeightSyncError
 
 LOCAL_URL_ENV, POSTER_ENV = "DAPO_LOCAL_SERVER_URL", "DAPO_LOCAL_SERVER_POSTER"
 

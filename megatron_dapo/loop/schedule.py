@@ -28,19 +28,17 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.algo.batch import Group, group_from_samples, to_sequences
 from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import PromptOrderCollector
-from megatron_dapo.batch import Group, group_from_samples, to_sequences
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptItem
-from megatron_dapo.rollout.async_schedule import AsyncSchedule
-from megatron_dapo.rollout.driver import on_driver
-from megatron_dapo.rollout.engine import GenRequest, SamplingParams, sample_seed
+from megatron_dapo.loop.async_schedule import AsyncSchedule
+from megatron_dapo.loop.control import on_driver
+from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
 
 
 def make_schedule(cfg, engine, prompts, sampler, scorer):
-    if cfg.rollout.partial and engine is not None and not hasattr(engine, "generate_requests"):
-        raise ConfigError(f"rollout.partial = true: the {type(engine).__name__} cannot resume samples")
     inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer)
     return inner if cfg.rollout.schedule == "sync" else AsyncSchedule(cfg, inner)  # a producer thread drives inner
 
@@ -101,16 +99,14 @@ class SyncSchedule:
         return SamplingParams.from_config(self.cfg.rollout.sampling, seed=seed)
 
     def _new_step(self) -> None:
-        if hasattr(self.engine, "new_step"):  # the restart budget is per step
-            self.engine.new_step()
+        self.engine.new_step()  # the restart budget is per step
 
     def _finish_stats(self, generated: list[bool]) -> dict:
         stats = self.sampler.stats()
         stats["kept_groups"] = stats.pop("kept")
         stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
         stats["samples_generated"] = len(generated)
-        if hasattr(self.engine, "step_restarts"):
-            stats["server_restarts"] = self.engine.step_restarts
+        stats["server_restarts"] = self.engine.step_restarts
         return stats
 
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:
@@ -247,7 +243,7 @@ class PartialSchedule(SyncSchedule):
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a sample: the tokenizer's EOS ids and the sampling's stop ids (what the engines send)."""
-        eos = getattr(getattr(self.engine, "tokenizer", None), "eos_token_ids", ())
+        eos = self.engine.tokenizer.eos_token_ids if self.engine.tokenizer is not None else ()
         return frozenset(eos) | frozenset(sampling.stop_token_ids)
 
     def _extend(self, slot: Slot, s, max_new: int, stops: frozenset[int] = frozenset()) -> None:
@@ -265,7 +261,7 @@ class PartialSchedule(SyncSchedule):
         elif slot.finish_reason == "abort" and len(slot.response_ids) >= max_new:
             slot.finish_reason = "length"  # aborted on its last token: it has its whole budget
         check_total_length(len(slot.response_ids), max_new)
-        info = getattr(self.engine, "tokenizer", None)
+        info = self.engine.tokenizer
         decode = getattr(info, "decode", None)
         slot.text = info.text(slot.response_ids) if decode is not None else slot.text + s.text
 

@@ -37,10 +37,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from megatron_dapo.algo.batch import Group, to_sequences
 from megatron_dapo.algo.offpolicy import version_lag_stats
-from megatron_dapo.batch import Group, to_sequences
 from megatron_dapo.config import ConfigError
-from megatron_dapo.rollout.driver import on_driver
+from megatron_dapo.loop.control import on_driver
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The DAPO training loop: generate → reward → filter → advantages → train → sync → eval → save.
 
 Every rank runs ``Trainer.run``; rank 0 drives the rollout engine and broadcasts the kept groups, every rank trains.
-Transports and parallelism live behind ``RolloutDriver`` (engine + weight sync, ``rollout/driver.py``) and
+Transports and parallelism live behind ``RolloutDriver`` (engine + weight sync, ``loop/rollout.py``) and
 ``MegatronActor``.
 """
 
@@ -19,28 +19,29 @@ from rich.progress import track
 
 from megatron_dapo import runs
 from megatron_dapo.actor import checkpoint as ckpt
-from megatron_dapo.actor.actor import MegatronActor, Sequence
+from megatron_dapo.actor.actor import MegatronActor
+from megatron_dapo.algo.batch import logprob_gap_stats
 from megatron_dapo.algo.sampling import DynamicSampler
-from megatron_dapo.batch import logprob_gap_stats
 from megatron_dapo.config import ConfigError, DapoConfig, load_arch, save_config
 from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
-from megatron_dapo.evaluate import run_eval
-from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
-from megatron_dapo.reward.registry import RewardScorer
-from megatron_dapo.rollout.driver import (  # noqa: F401  (DriverError: this module's API since it began)
+from megatron_dapo.engines.base import check_logprob_gap
+from megatron_dapo.loop.control import (  # noqa: F401  (DriverError: this module's API since it began)
     DriverError,
-    RolloutDriver,
     broadcast,
     is_driver,
     on_driver,
     scatter_batch,
     set_control_timeout,
 )
-from megatron_dapo.rollout.engine import check_logprob_gap
-from megatron_dapo.rollout.phases import make_phases
-from megatron_dapo.rollout.schedule import make_schedule
+from megatron_dapo.loop.evaluate import run_eval
+from megatron_dapo.loop.phases import make_phases
+from megatron_dapo.loop.rollout import RolloutDriver
+from megatron_dapo.loop.schedule import make_schedule
+from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
+from megatron_dapo.reward.registry import RewardScorer
+from megatron_dapo.types import Sequence
 
 
 def prepare_model_and_engine(cfg: DapoConfig) -> None:

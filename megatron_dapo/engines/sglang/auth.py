@@ -6,7 +6,7 @@ never on a command line or in a log.
 * ``write_args_file(path, key)``: a server-args YAML for SGLang's ``--config`` (``api-key`` and ``admin-api-key``),
   created with mode 0600 (readable only by the job's user). SGLang 0.5.23 reads ``--config FILE`` in
   ``prepare_server_args`` (srt/server_args.py, srt/utils/server_args_config_parser.py): its keys become flags.
-* ``python -m megatron_dapo.rollout.sglang_auth CMD...``: runs CMD (``python -m sglang.launch_server ... --config
+* ``python -m megatron_dapo.engines.sglang.auth CMD...``: runs CMD (``python -m sglang.launch_server ... --config
   FILE``) with its output copied through, the secrets of FILE replaced by ``<redacted>``: SGLang 0.5.23 logs its
   whole ``server_args`` at start-up, keys included (srt/entrypoints/engine.py ``_server_args_for_logging`` redacts
   only watermark secrets).
@@ -117,7 +117,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m megatron_dapo.rollout.sglang_auth CMD [ARGS...] (with --config FILE)", file=sys.stderr)
+        print("usage: python -m megatron_dapo.engines.sglang.auth CMD [ARGS...] (with --config FILE)", file=sys.stderr)
         return 2
     redactor = Redactor(secrets_of(argv))
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.config import ArchConfig
-from megatron_dapo.rollout.engine import (
+from megatron_dapo.engines.base import EngineBase
+from megatron_dapo.types import (
     Bucket,
     GenRequest,
     RolloutError,
@@ -51,7 +52,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or a torch dtype name") from None
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     """``RolloutEngine`` on a ``transformers`` model (CPU by default)."""
 
     def __init__(

@@ -1,0 +1,62 @@
+"""The package's layers, declared once: a module imports only from its own layer or below (lazy imports inside
+functions included; ``if TYPE_CHECKING:`` blocks excluded, see ``test_import_graph``). A new top-level module or
+package must be placed here before it can be imported."""
+
+from __future__ import annotations
+
+from tests.unit.test_import_graph import import_graph
+
+# lowest first; each entry a top-level module or package of megatron_dapo
+LAYERS = [
+    ["types", "versions"],  # the data that flows; nothing of ours
+    ["typed_yaml", "arch", "config"],  # typed config, architectures
+    ["memory", "gguf", "runs", "metrics", "report", "ports"],  # facts every layer above may ask
+    ["algo", "data", "reward"],  # pure functions, datasets, verifiers
+    ["actor", "bridge", "engines", "sync"],  # the trainer, the weights' way to the engines, the engines
+    ["loop"],  # trainer, schedules, phases, the control plane
+    ["plan", "plan_cli", "planning", "launch"],  # planning a job, launching it
+    ["cli"],
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``megatron_dapo.<head>...``; None for the package itself; KeyError for an undeclared head."""
+    name = module.removeprefix("megatron_dapo").lstrip(".")
+    if not name:
+        return None
+    head = name.split(".")[0]
+    for i, group in enumerate(LAYERS):
+        if head in group:
+            return i
+    raise KeyError(head)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        here = layer_of(module)
+        for dep in sorted(deps):
+            there = layer_of(dep)
+            if here is not None and there is not None and there > here:
+                out.append(f"{module} (layer {here}) imports {dep} (layer {there})")
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    undeclared = set()
+    for module in import_graph():
+        try:
+            layer_of(module)
+        except KeyError as e:
+            undeclared.add(e.args[0])
+    assert not undeclared, f"declare these in LAYERS: {sorted(undeclared)}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert upward_imports(import_graph()) == []
+
+
+def test_a_planted_upward_import_is_caught():
+    graph = import_graph()
+    graph["megatron_dapo.algo.loss"] = graph["megatron_dapo.algo.loss"] | {"megatron_dapo.loop.trainer"}
+    assert upward_imports(graph) == ["megatron_dapo.algo.loss (layer 3) imports megatron_dapo.loop.trainer (layer 5)"]
