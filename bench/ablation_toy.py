@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_dapo.config import load_config  # noqa: E402
+from megatron_dapo.config.run_config import load_config  # noqa: E402
 from megatron_dapo.data.chain_mix import held_out_rows, train_rows  # noqa: E402
 from megatron_dapo.data.dataset import write_parquet_atomic  # noqa: E402
 

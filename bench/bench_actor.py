@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.types import Sequence
 
     cfg = load_config(

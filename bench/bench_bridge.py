@@ -31,7 +31,7 @@ BUCKET = 512 << 20
 
 
 def arch_for(layers: int):
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
 
     return ArchConfig(
         name="bench-1b", family="qwen2", num_layers=layers, hidden_size=2048, ffn_hidden_size=5632,
@@ -44,8 +44,8 @@ def phase_make(d: Path, layers: int, shard_mb: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from megatron_dapo.bridge.hf_config import hf_from_arch
-    from megatron_dapo.bridge.mappings import table_for
+    from megatron_dapo.models.hf_config import hf_from_arch
+    from megatron_dapo.models.registry import table_for
 
     arch = arch_for(layers)
     hf = d / "hf"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.config import load_arch
 from megatron_dapo.engines.hf import HFEngine
+from megatron_dapo.models.arch import load_arch
 from megatron_dapo.sync.weight_sync import CopySync
 from megatron_dapo.types import SamplingParams, TokenizerInfo
 

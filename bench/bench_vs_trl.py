@@ -58,11 +58,12 @@ def prepare(shape: str, work: Path, steps: int) -> tuple[Path, list[str], dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_dapo.bridge.hf_config import transformers_config
-    from megatron_dapo.config import load_arch, load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.data.dataset import PromptIterator
     from megatron_dapo.data.sources import build_prompt_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.hf_config import transformers_config
 
     s = SHAPES[shape]
     model_dir = work / f"{shape}-hf"

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 def _model(out: Path) -> Path:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.export import save_hf_checkpoint
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.data.tokenizer import load_tokenizer
 
     cfg = load_config("demo_cpu", ["model.arch=tiny"])

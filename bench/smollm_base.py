@@ -28,7 +28,7 @@ def main() -> None:
 
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.data.word_math import eval_rows
-    from megatron_dapo.gguf import cached_hf_dir, smollm2_gguf
+    from megatron_dapo.models.gguf import cached_hf_dir, smollm2_gguf
     from megatron_dapo.reward.math_dapo import compute_score
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
     dapo train --recipe demo_cpu [key=value ...] [--resume auto|none|DIR]
     dapo eval --load DIR --data PARQUET [--n 32] [--samples-out FILE] [key=value ...]
     dapo report RUN_DIR
-    dapo convert hf-to-megatron|megatron-to-hf ...      (tools/convert_*.py)
+    dapo convert hf-to-megatron|megatron-to-hf ...      (bridge/convert_cli.py)
     dapo plan --model qwen2.5-32b --max-prompt 2048 --max-response 20480 --nodes 16 --gpus-per-node 8 --gpu-mem 80
     dapo launch --recipe dapo_32b [--dry-run] ...        (inside or outside a Slurm allocation)
     dapo rehearse --recipe dapo_32b --nodes 16           (every rank of the GPU job built and checked on a CPU)
@@ -18,7 +18,8 @@ import os
 import sys
 import warnings
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import DataError
 
 
@@ -70,23 +71,17 @@ def _report(args) -> int:
 
 
 def _convert(args) -> int:
-    import runpy
+    from megatron_dapo.bridge.convert_cli import hf_to_megatron_main, megatron_to_hf_main
 
-    from megatron_dapo.config import PACKAGE_DIR
-
-    tool = {"hf-to-megatron": "convert_hf_to_megatron.py", "megatron-to-hf": "convert_megatron_to_hf.py"}[
-        args.direction
-    ]
-    sys.argv = [tool, *args.rest]
+    main = {"hf-to-megatron": hf_to_megatron_main, "megatron-to-hf": megatron_to_hf_main}[args.direction]
     try:
-        runpy.run_path(str(PACKAGE_DIR.parent / "tools" / tool), run_name="__main__")
+        return main(args.rest)
     except SystemExit as e:
         return int(e.code or 0)
-    return 0
 
 
 def _plan(argv: list[str]) -> int:
-    from megatron_dapo.plan_cli import main as plan_main
+    from megatron_dapo.planning.cli import main as plan_main
 
     return plan_main(argv)
 
@@ -138,15 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_report)
 
-    p = sub.add_parser("convert", help="HF <-> megatron checkpoint conversion (see tools/)")
+    p = sub.add_parser("convert", help="HF <-> megatron checkpoint conversion (dapo convert DIRECTION --help)")
     p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_convert)
 
     sub.add_parser("plan", help="memory/parallelism planner (dapo plan --help)", add_help=False)
     sub.add_parser("launch", help="Slurm launcher; --dry-run prints the plan (dapo launch --help)", add_help=False)
-    sub.add_parser("rehearse", help="the GPU job's every rank built and checked on a CPU (dapo rehearse --help)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "rehearse", help="the GPU job's every rank built and checked on a CPU (dapo rehearse --help)", add_help=False
+    )
     return parser
 
 
@@ -169,8 +165,14 @@ def main(argv: list[str] | None = None) -> int:
 
 # Failures the run reports in words (each message names what failed and what to do): no traceback, from rank 0 only
 # (every rank raises the same error, see trainer.on_driver). By class name (or a base's): their modules import torch.
-EXPECTED_RUNTIME_ERRORS = {"DynamicSamplingError", "LogprobGapError", "WeightSyncError", "RolloutError",
-                           "CheckpointError", "DriverError"}  # fmt: skip
+EXPECTED_RUNTIME_ERRORS = {
+    "DynamicSamplingError",
+    "LogprobGapError",
+    "WeightSyncError",
+    "RolloutError",
+    "CheckpointError",
+    "DriverError",
+}
 
 
 def _fail(e: Exception, code: int) -> int:

@@ -116,8 +116,9 @@ def _draw(ax, series, smooth: bool, color_offset: int = 0, linestyle: str = "-")
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8, linestyle=style)
             (h,) = ax.plot(steps, _ema(values), color=color, linewidth=1.6, linestyle=style, label=f"{label} (EMA)")
         else:
-            (h,) = ax.plot(steps, values, color=color, linewidth=1.4, linestyle=style, marker=marker, markersize=3.5,
-                           label=label)  # fmt: skip
+            (h,) = ax.plot(
+                steps, values, color=color, linewidth=1.4, linestyle=style, marker=marker, markersize=3.5, label=label
+            )
         handles.append(h)
     return handles
 

@@ -84,7 +84,7 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
     from megatron_dapo.actor.dist import init_distributed, seed_everything
     from megatron_dapo.actor.provider import build_model, model_position_ids
     from megatron_dapo.bridge.convert import read_meta
-    from megatron_dapo.config import ModelConfig, ParallelConfig
+    from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
 
     arch, _ = read_meta(ckpt)
     parallel = ParallelConfig(tp=tp, pp=pp)
@@ -194,9 +194,10 @@ def main(argv=None) -> int:
         return 0
 
     from megatron_dapo.bridge.convert import read_meta
-    from megatron_dapo.bridge.hf_config import arch_from_hf, compare_arch, read_hf_config
     from megatron_dapo.bridge.reshard import check_divisible
-    from megatron_dapo.config import ConfigError
+    from megatron_dapo.config.typed_yaml import ConfigError
+    from megatron_dapo.models.arch import compare_arch
+    from megatron_dapo.models.hf_config import arch_from_hf, read_hf_config
 
     try:
         if not args.hf:

@@ -5,7 +5,7 @@
     python tools/gguf_to_hf.py --gguf FILE [--models-dir DIR] [--name NAME]
 
 The directory is ``<models dir>/<name>-<hash of the GGUF>``, the models dir ``--models-dir``, ``$DAPO_MODELS_DIR`` or
-``~/.cache/megatron-dapo/models``; a second call finds it and returns at once (``megatron_dapo/gguf.py``).
+``~/.cache/megatron-dapo/models``; a second call finds it and returns at once (``megatron_dapo/models/gguf.py``).
 Progress goes to stderr, the path alone to stdout (``model.hf_init=$(python tools/gguf_to_hf.py)``).
 """
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from megatron_dapo.gguf import cached_hf_dir, smollm2_gguf
+    from megatron_dapo.models.gguf import cached_hf_dir, smollm2_gguf
 
     try:
         gguf = args.gguf or smollm2_gguf()

@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def train_config(args, arch_name: str, extra: list[str] | None = None):
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     seqs = args.groups * args.group
     return load_config("demo_cpu", [
@@ -113,9 +113,10 @@ def check_logits(work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.bridge.hf_config import transformers_config
     from megatron_dapo.bridge.load import load_hf_into_model
-    from megatron_dapo.config import ArchConfig, load_config
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.models.arch import ArchConfig
+    from megatron_dapo.models.hf_config import transformers_config
 
     arch = ArchConfig(**SMALL_QWEN2)
     arch_file = work / "smoke-qwen2.yaml"
@@ -145,7 +146,7 @@ def check_train_step(args, extra: list[str] | None = None) -> tuple[dict, dict]:
     import torch
 
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.memory import GiB, actor_memory, total_params
+    from megatron_dapo.models.memory import GiB, actor_memory, total_params
 
     cfg = train_config(args, args.arch, extra)
     actor = MegatronActor(cfg)
@@ -345,8 +346,8 @@ def check_te_fp8(args) -> tuple[list[dict], list[str]]:
 
 def cpu_check(args) -> int:
     """On a CPU: the configurations build and the train-step shape fits the memory model's arithmetic."""
-    from megatron_dapo.config import ArchConfig, load_arch
-    from megatron_dapo.memory import actor_memory
+    from megatron_dapo.models.arch import ArchConfig, load_arch
+    from megatron_dapo.models.memory import actor_memory
 
     cfg = train_config(args, args.arch)
     arch = load_arch(cfg.model.arch)
@@ -399,7 +400,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_dapo.config import ConfigError
+    from megatron_dapo.config.typed_yaml import ConfigError
 
     try:
         sys.exit(main())

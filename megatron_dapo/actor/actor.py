@@ -26,10 +26,12 @@ from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, mod
 from megatron_dapo.actor.step_metrics import step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
 from megatron_dapo.algo.loss import loss_denominator, policy_loss, sft_loss
-from megatron_dapo.config import ArchConfig, ConfigError, DapoConfig, load_arch, padded_vocab_size
+from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.geometry import micro_batch_geometry
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
 from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
+from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
 from megatron_dapo.types import Sequence
 
 
@@ -39,7 +41,7 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
     predicted not to fit is refused with the prediction. CPU: available RAM ÷ local ranks; GPU: 90% of the device."""
     import os
 
-    from megatron_dapo.memory import GiB, actor_memory, fit_micro_batch_tokens
+    from megatron_dapo.models.memory import GiB, actor_memory, fit_micro_batch_tokens
 
     p = cfg.parallel
     if torch.cuda.is_available():
@@ -52,10 +54,16 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
         where = "of the available RAM for this rank"
     in_process_engine = cfg.rollout.engine == "hf" and not torch.cuda.is_available()
     kw = dict(
-        dtype_bytes=DTYPES[cfg.model.dtype].itemsize, tp=p.tp, pp=p.pp, dp=dp, layout=layout,
-        recompute=cfg.model.recompute or "none", distributed_optimizer=bool(p.distributed_optimizer),
-        logprob_chunk_tokens=p.logprob_chunk_tokens, engine_bytes_per_param=4 if in_process_engine else 0,
-    )  # fmt: skip
+        dtype_bytes=DTYPES[cfg.model.dtype].itemsize,
+        tp=p.tp,
+        pp=p.pp,
+        dp=dp,
+        layout=layout,
+        recompute=cfg.model.recompute or "none",
+        distributed_optimizer=bool(p.distributed_optimizer),
+        logprob_chunk_tokens=p.logprob_chunk_tokens,
+        engine_bytes_per_param=4 if in_process_engine else 0,
+    )
     # the longest row the dense attention spans: a sequence, or a group's responses behind their shared prompt
     row = cfg.max_seq_len
     if layout == "padded" and p.share_prompts:
@@ -109,8 +117,17 @@ def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[
         adv[span] = float(s.advantage)
         mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
         tis[span] = s.tis_mask.float() if s.tis_mask is not None else 0.0
-    return {"labels": labels, "valid": valid, "seq_id": seq_id, "resp_off": resp_off, "old_logprobs": old,
-            "rollout_logprobs": rollout, "advantages": adv, "loss_mask": mask, "tis_mask": tis}  # fmt: skip
+    return {
+        "labels": labels,
+        "valid": valid,
+        "seq_id": seq_id,
+        "resp_off": resp_off,
+        "old_logprobs": old,
+        "rollout_logprobs": rollout,
+        "advantages": adv,
+        "loss_mask": mask,
+        "tis_mask": tis,
+    }
 
 
 def _passthrough_head(hidden, weight=None, runtime_gather_output=None):
@@ -240,9 +257,12 @@ class MegatronActor:
         prompt_lens = [s.prompt_len for s in seqs]
         if self.geometry.layout == "padded" and self.cfg.parallel.share_prompts:
             rows = plan_rows(
-                prompt_lens, [s.response_len for s in seqs], prompt_groups([s.tokens[: s.prompt_len] for s in seqs]),
-                self.micro_batch_tokens, *self._flop_weights,
-            )  # fmt: skip
+                prompt_lens,
+                [s.response_len for s in seqs],
+                prompt_groups([s.tokens[: s.prompt_len] for s in seqs]),
+                self.micro_batch_tokens,
+                *self._flop_weights,
+            )
         else:
             rows = [[i] for i in range(len(seqs))]
         lengths = [prompt_lens[r[0]] + sum(seqs[i].response_len for i in r) for r in rows]
@@ -252,7 +272,7 @@ class MegatronActor:
     @functools.cached_property
     def _flop_weights(self) -> tuple[float, float]:
         """(FLOPs per token outside attention, FLOPs per attended (query, key) pair), per layer and TP rank."""
-        from megatron_dapo.memory import layer_gemm_params
+        from megatron_dapo.models.memory import layer_gemm_params
 
         a, tp = self.arch, self.cfg.parallel.tp
         return 2.0 * layer_gemm_params(a, tp), 4.0 * a.num_attention_heads * a.head_dim / tp
@@ -297,17 +317,25 @@ class MegatronActor:
         order = [seqs[i] for r in rows for i in r]  # the targets' sequence order
 
         def per_target(field: str, default: float) -> torch.Tensor:
-            parts = [getattr(s, field) if getattr(s, field) is not None else torch.full((s.response_len,), default)
-                     for s in order]  # fmt: skip
+            parts = [
+                getattr(s, field) if getattr(s, field) is not None else torch.full((s.response_len,), default)
+                for s in order
+            ]
             return torch.cat(parts).float() if parts else torch.zeros(0)
 
         sel = {
-            "index": b.target_index, "labels": b.labels, "seq_id": b.target_seq, "resp_off": b.target_offset,
-            "old_logprobs": per_target("old_logprobs", 0.0), "rollout_logprobs": per_target("rollout_logprobs", 0.0),
-            "loss_mask": per_target("loss_mask", 1.0), "tis_mask": per_target("tis_mask", 0.0),
+            "index": b.target_index,
+            "labels": b.labels,
+            "seq_id": b.target_seq,
+            "resp_off": b.target_offset,
+            "old_logprobs": per_target("old_logprobs", 0.0),
+            "rollout_logprobs": per_target("rollout_logprobs", 0.0),
+            "loss_mask": per_target("loss_mask", 1.0),
+            "tis_mask": per_target("tis_mask", 0.0),
             "advantages": torch.cat([torch.full((s.response_len,), float(s.advantage)) for s in order])
-            if order else torch.zeros(0),
-        }  # fmt: skip
+            if order
+            else torch.zeros(0),
+        }
         pos = b.position_ids
         if bool((pos == pos[:1]).all()):  # the same positions in every row: one row of RoPE tables broadcasts
             pos = pos[:1]
@@ -383,8 +411,14 @@ class MegatronActor:
         if self.last_stage and self.tp_rank == 0:
             for res in results:
                 mb, ent = res["mb"], res.get("entropy")
-                parts.append((mb["sel_seq_id"].cpu(), mb["sel_resp_off"].cpu(), res["logprobs"].detach().cpu(),
-                              ent.cpu() if with_entropy else None))  # fmt: skip
+                parts.append(
+                    (
+                        mb["sel_seq_id"].cpu(),
+                        mb["sel_resp_off"].cpu(),
+                        res["logprobs"].detach().cpu(),
+                        ent.cpu() if with_entropy else None,
+                    )
+                )
         if owner is None:
             keys, dests = [0] * len(seqs), [set(range(dist.get_world_size()))]
         else:
@@ -412,8 +446,10 @@ class MegatronActor:
         old_seconds = time.perf_counter() - t0
         for s in seqs[minis[0].start : minis[0].stop] if not first_from_forward else []:
             if s.old_logprobs is not None and s.old_logprobs.numel() != s.response_len:  # None: not this rank's
-                raise ValueError(f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
-                                 f"{s.response_len} tokens")  # fmt: skip
+                raise ValueError(
+                    f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
+                    f"{s.response_len} tokens"
+                )
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
         if tis_cap and any(s.rollout_logprobs is None for s in seqs):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
@@ -482,8 +518,12 @@ class MegatronActor:
         first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
             seqs[i].old_logprobs is None for i in minis[0]
         )
-        missing = [i for k, rng in enumerate(minis) for i in rng
-                   if seqs[i].old_logprobs is None and not (first_from_forward and k == 0)]  # fmt: skip
+        missing = [
+            i
+            for k, rng in enumerate(minis)
+            for i in rng
+            if seqs[i].old_logprobs is None and not (first_from_forward and k == 0)
+        ]
         return minis, first_from_forward, missing
 
     def _train_owners(self, seqs: list[Sequence], minis: list[range], first_from_forward: bool) -> list[int]:

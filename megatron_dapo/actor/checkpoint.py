@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor.dist import rng_state, set_rng_state
-from megatron_dapo.config import ArchConfig, ConfigError, compare_arch
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, compare_arch
 from megatron_dapo.runs import META_FILE, CheckpointError, checkpoints, dir_bytes, is_complete
 
 FORMAT = "megatron-dapo/1"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor.cpu import apply_cpu_shims
-from megatron_dapo.config import ParallelConfig, check_world_divides
+from megatron_dapo.config.run_config import ParallelConfig, check_world_divides
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -32,8 +32,9 @@ def _pack(pos: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
 def _unpack(msg: torch.Tensor, n: int, n_values: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     pos = msg[: n * INDEX_BYTES].view(torch.int32).long()
     base = n * INDEX_BYTES
-    vals = [msg[base + j * n * VALUE_BYTES : base + (j + 1) * n * VALUE_BYTES].view(torch.float32)
-            for j in range(n_values)]  # fmt: skip
+    vals = [
+        msg[base + j * n * VALUE_BYTES : base + (j + 1) * n * VALUE_BYTES].view(torch.float32) for j in range(n_values)
+    ]
     return pos, vals
 
 

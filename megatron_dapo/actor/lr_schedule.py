@@ -85,9 +85,13 @@ class BudgetScheduler(OptimizerParamScheduler):
         self.warmup_end_seconds = float(state_dict.get("warmup_end_seconds", 0.0))
         kept = (self.lr_decay_steps, self.sample_budget, self.time_budget_s)
         if kept != asked and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"lr schedule: the checkpoint's horizon (train.steps {kept[0]}, train.sample_budget {kept[1]}, "
-                  f"train.time_budget_s {kept[2]:g}) continues; this run's bounds ({asked[0]}, {asked[1]}, "
-                  f"{asked[2]:g}) still decide when it stops", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"lr schedule: the checkpoint's horizon (train.steps {kept[0]}, train.sample_budget {kept[1]}, "
+                f"train.time_budget_s {kept[2]:g}) continues; this run's bounds ({asked[0]}, {asked[1]}, "
+                f"{asked[2]:g}) still decide when it stops",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def make_scheduler(optimizer: Any, t: Any) -> BudgetScheduler:

@@ -12,14 +12,9 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.config import (
-    ArchConfig,
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    check_divisible,
-    padded_vocab_size,
-)
+from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, check_divisible, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,8 +105,8 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim,  # explicit: Qwen3's head_dim (128) is not hidden / heads on 0.6B and 32B
-        qk_layernorm=arch.qk_layernorm,  # Qwen3: per-head RMSNorm on q and k (the spec builds them: layer_spec)
+        kv_channels=arch.head_dim,  # explicit: a family may set head_dim != hidden / heads
+        qk_layernorm=arch.qk_layernorm,  # per-head RMSNorm on q and k (the spec builds them: layer_spec)
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_eps,
         add_bias_linear=False,

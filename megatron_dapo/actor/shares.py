@@ -41,10 +41,14 @@ def stub(s: Sequence, prompts: dict | None = None) -> RemoteSequence:
         prompt = prompts.setdefault(tuple(prompt.tolist()), prompt.clone())
     mask = s.loss_mask if s.loss_mask is not None and not bool(s.loss_mask.all()) else None
     return RemoteSequence(
-        tokens=prompt, prompt_len=s.prompt_len, advantage=s.advantage, old_logprobs=s.old_logprobs,
-        rollout_logprobs=None if s.rollout_logprobs is None else torch.empty(0), loss_mask=mask,
+        tokens=prompt,
+        prompt_len=s.prompt_len,
+        advantage=s.advantage,
+        old_logprobs=s.old_logprobs,
+        rollout_logprobs=None if s.rollout_logprobs is None else torch.empty(0),
+        loss_mask=mask,
         remote_response_len=s.response_len,
-    )  # fmt: skip
+    )
 
 
 def dp_shares(actor, seqs: list[Sequence]) -> list[set[int]]:

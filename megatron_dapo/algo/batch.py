@@ -12,7 +12,7 @@ import torch
 
 from megatron_dapo.algo.advantage import group_advantages
 from megatron_dapo.algo.shaping import overlong_filter_mask, overlong_penalty
-from megatron_dapo.config import DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.types import Sequence
 
 

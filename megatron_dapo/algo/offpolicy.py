@@ -41,8 +41,12 @@ def version_lag_stats(token_lags: list[list[int]]) -> dict[str, float]:
     (tokens from older weights than the trainer's), offpolicy_sample_frac (samples with such a token)."""
     flat = [lag for row in token_lags for lag in row]
     if not flat:
-        return {"version_lag_mean": 0.0, "version_lag_max": 0.0, "partial_token_frac": 0.0,
-                "offpolicy_sample_frac": 0.0}  # fmt: skip
+        return {
+            "version_lag_mean": 0.0,
+            "version_lag_max": 0.0,
+            "partial_token_frac": 0.0,
+            "offpolicy_sample_frac": 0.0,
+        }
     return {
         "version_lag_mean": sum(flat) / len(flat),
         "version_lag_max": float(max(flat)),

@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.actor.checkpoint import FORMAT, META_FILE, use_forked_results_queue
-from megatron_dapo.bridge.hf_config import arch_from_hf, compare_arch, hf_from_arch, read_hf_config
-from megatron_dapo.bridge.mappings import Param, checkpoint_key, table_for
 from megatron_dapo.bridge.reshard import check_divisible
-from megatron_dapo.config import ArchConfig, ConfigError, load_arch
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, compare_arch, load_arch
+from megatron_dapo.models.hf_config import arch_from_hf, hf_from_arch, read_hf_config
+from megatron_dapo.models.mapping import Param, checkpoint_key
+from megatron_dapo.models.registry import table_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -77,9 +79,17 @@ def read_meta(ckpt_dir: str | Path) -> tuple[ArchConfig, dict]:
 # Safetensors without mmap: headers for validation, plain reads for data (memory = what we hold, nothing else)
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclasses.dataclass

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.bridge.mappings import Param, canonical_name, split_layer, table_for
 from megatron_dapo.bridge.reshard import gather_tp
-from megatron_dapo.config import ArchConfig
+from megatron_dapo.models.arch import ArchConfig
+from megatron_dapo.models.mapping import Param, canonical_name, split_layer
+from megatron_dapo.models.registry import table_for
 
 _DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -240,7 +241,7 @@ def save_hf_checkpoint(
     import torch.distributed as dist
 
     from megatron_dapo.bridge.convert import _ShardWriter, parse_size, staged_output
-    from megatron_dapo.bridge.hf_config import hf_from_arch
+    from megatron_dapo.models.hf_config import hf_from_arch
 
     max_bytes = parse_size(max_shard_size)
     dtypes = _param_dtypes(model_chunks, arch)
@@ -313,9 +314,9 @@ def export_plan(
     copies at TP 1), ``rank0_host_bytes`` (one tensor on its way to the file) and ``other_device_bytes`` (a TP rank or
     a later stage's sender: the parameter in flight, without a bucket). ``describe()`` puts it on one line.
     """
-    from megatron_dapo.arch import padded_vocab_size
     from megatron_dapo.bridge.convert import DTYPES, _ShardWriter, parse_size
     from megatron_dapo.bridge.reshard import check_divisible
+    from megatron_dapo.models.arch import padded_vocab_size
 
     check_divisible(arch, tp, pp)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype

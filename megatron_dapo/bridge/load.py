@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.bridge.convert import hf_weight_files, read_st_header, read_st_tensor
-from megatron_dapo.bridge.hf_config import check_hf_dir
-from megatron_dapo.bridge.mappings import Param
 from megatron_dapo.bridge.reshard import local_name, split_tp, stage_params
-from megatron_dapo.config import ArchConfig, ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig
+from megatron_dapo.models.hf_config import check_hf_dir
+from megatron_dapo.models.mapping import Param
 
 
 def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: bool = False) -> int:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.bridge.mappings import Param, canonical_name, spec_name, split_layer, table_for
-from megatron_dapo.config import ArchConfig, ConfigError, check_divisible, padded_vocab_size
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, check_divisible, padded_vocab_size
+from megatron_dapo.models.mapping import Param, canonical_name, spec_name, split_layer
+from megatron_dapo.models.registry import table_for
 
 __all__ = [
     "padded_vocab_size",

@@ -73,9 +73,14 @@ def chain_splits(train_size: int, eval_size: int, seed: int, max_terms: int = 7)
 
 
 def make_chain_datasets(
-    tokenizer: Any, train_size: int, eval_size: int, seed: int, max_prompt_len: int, max_terms: int = 7,
+    tokenizer: Any,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    max_prompt_len: int,
+    max_terms: int = 7,
     apply_chat_template: bool = True,
-) -> tuple[PromptDataset, PromptDataset]:  # fmt: skip
+) -> tuple[PromptDataset, PromptDataset]:
     train, evals = chain_splits(train_size, eval_size, seed, max_terms)
     return (
         PromptDataset.from_rows(train, tokenizer, max_prompt_len, apply_chat_template, name="synthetic chain train"),

@@ -104,8 +104,11 @@ def held_out_rows(split: str, size: int, max_terms: int) -> list[dict]:
         raise ValueError(f"held-out split {split!r}: must be eval or dev")
     terms = list(range(2, max_terms + 1))
     pools = {k: _all_of(split, k, size) for k in terms}
-    chosen = stratified_take(pools, size, f"data.synthetic_eval_size = {size}: the {split} split has only {{have}} "
-                                          f"problems of 2-{max_terms} terms")  # fmt: skip
+    chosen = stratified_take(
+        pools,
+        size,
+        f"data.synthetic_eval_size = {size}: the {split} split has only {{have}} problems of 2-{max_terms} terms",
+    )
     return [chain_mix_row(d, i, split, direct=False) for i, d in enumerate(chosen)]
 
 
@@ -135,16 +138,25 @@ def train_rows(size: int, seed: int, max_terms: int, direct_share: float = DIREC
 
 
 def make_chain_mix_datasets(
-    tokenizer: Any, train_size: int, eval_size: int, seed: int, max_prompt_len: int, max_terms: int = 6,
-    eval_split: str = "eval", apply_chat_template: bool = True,
-) -> tuple[PromptDataset, PromptDataset]:  # fmt: skip
+    tokenizer: Any,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    max_prompt_len: int,
+    max_terms: int = 6,
+    eval_split: str = "eval",
+    apply_chat_template: bool = True,
+) -> tuple[PromptDataset, PromptDataset]:
     """(train, held-out) datasets; the held-out one is the ``eval_split`` partition (``dev`` for a warm start)."""
     if max_terms < 2:
         raise ValueError(f"data.chain_max_terms = {max_terms}: must be >= 2")
     train = train_rows(train_size, seed, max_terms)
     held = held_out_rows(eval_split, eval_size, max_terms)
     return (
-        PromptDataset.from_rows(train, tokenizer, max_prompt_len, apply_chat_template, name="synthetic chain_mix train"),
-        PromptDataset.from_rows(held, tokenizer, max_prompt_len, apply_chat_template,
-                                name=f"synthetic chain_mix {eval_split}"),
-    )  # fmt: skip
+        PromptDataset.from_rows(
+            train, tokenizer, max_prompt_len, apply_chat_template, name="synthetic chain_mix train"
+        ),
+        PromptDataset.from_rows(
+            held, tokenizer, max_prompt_len, apply_chat_template, name=f"synthetic chain_mix {eval_split}"
+        ),
+    )

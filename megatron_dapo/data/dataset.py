@@ -267,8 +267,10 @@ class PromptDataset:
             if too_long:
                 shown = ", ".join(f"{where} ({n} tokens)" for where, n in too_long[:MAX_REPORTED_ERRORS])
                 more = f" and {len(too_long) - MAX_REPORTED_ERRORS} more" if len(too_long) > MAX_REPORTED_ERRORS else ""
-                raise DataError(f"prompts longer than data.max_prompt_len = {max_prompt_len} tokens: {shown}{more} "
-                                "(data.prompt_overflow = error; 'truncate' cuts them from the left)")  # fmt: skip
+                raise DataError(
+                    f"prompts longer than data.max_prompt_len = {max_prompt_len} tokens: {shown}{more} "
+                    "(data.prompt_overflow = error; 'truncate' cuts them from the left)"
+                )
         items = []
         for index, ((file, row_index, row), text, ids) in enumerate(zip(rows, texts, all_ids)):
             messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]

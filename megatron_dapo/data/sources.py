@@ -38,20 +38,36 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
         evals[DATA_SOURCE] = synthetic_eval
     elif d.synthetic == "chain":
         train, evals[CHAIN] = make_chain_datasets(
-            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
-            d.chain_max_terms, d.apply_chat_template,
-        )  # fmt: skip
+            tokenizer,
+            d.synthetic_train_size,
+            d.synthetic_eval_size,
+            cfg.train.seed,
+            d.max_prompt_len,
+            d.chain_max_terms,
+            d.apply_chat_template,
+        )
     elif d.synthetic == "chain_mix":  # the held-out set: eval, or dev (named so) to select a warm start on
         name = CHAIN_MIX if d.synthetic_eval_split == "eval" else f"{CHAIN_MIX}-dev"
         train, evals[name] = make_chain_mix_datasets(
-            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
-            d.chain_max_terms, d.synthetic_eval_split, d.apply_chat_template,
-        )  # fmt: skip
+            tokenizer,
+            d.synthetic_train_size,
+            d.synthetic_eval_size,
+            cfg.train.seed,
+            d.max_prompt_len,
+            d.chain_max_terms,
+            d.synthetic_eval_split,
+            d.apply_chat_template,
+        )
     elif d.synthetic == "word_math":  # word problems for a real tokenizer (SmolLM2 recipe)
         train, evals[WORD_MATH] = make_word_math_datasets(
-            tokenizer, d.synthetic_train_size, d.synthetic_eval_size, cfg.train.seed, d.max_prompt_len,
-            d.word_math_max_ops, d.apply_chat_template,
-        )  # fmt: skip
+            tokenizer,
+            d.synthetic_train_size,
+            d.synthetic_eval_size,
+            cfg.train.seed,
+            d.max_prompt_len,
+            d.word_math_max_ops,
+            d.apply_chat_template,
+        )
     else:
         train = PromptDataset.from_files(
             d.train_files, tokenizer, d.max_prompt_len, d.apply_chat_template, d.prompt_overflow

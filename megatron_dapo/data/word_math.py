@@ -26,8 +26,16 @@ from megatron_dapo.data.synthetic import DAPO_TEMPLATE, stratified_take
 DATA_SOURCE = "synthetic/word_math"
 HELD_OUT_SEED = 20261201  # draws the eval problems: the same for every train.seed
 START, ADD, TAKE = (2, 20), (2, 12), (1, 9)  # inclusive ranges: the start, an added amount, an amount taken away
-NAMES = (("Mia", "She"), ("Tom", "He"), ("Ana", "She"), ("Leo", "He"), ("Zoe", "She"), ("Sam", "He"),
-         ("Ivy", "She"), ("Max", "He"))  # fmt: skip
+NAMES = (
+    ("Mia", "She"),
+    ("Tom", "He"),
+    ("Ana", "She"),
+    ("Leo", "He"),
+    ("Zoe", "She"),
+    ("Sam", "He"),
+    ("Ivy", "She"),
+    ("Max", "He"),
+)
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cards", "coins", "books", "shells")
 ADD_VERBS = ("finds", "buys", "gets", "is given")
 TAKE_VERBS = ("gives away", "loses", "sells", "uses")
@@ -85,9 +93,15 @@ def word_math_row(start: int, steps: list[int], index: int, split: str, rng: np.
         "prompt": [{"role": "user", "content": DAPO_TEMPLATE.format(problem=problem)}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": str(start + sum(steps))},
-        "extra_info": {"index": index, "split": split, "steps": len(steps), "signature": signature(start, steps),
-                       "problem": problem, "solution": worked_solution(start, steps)},
-    }  # fmt: skip
+        "extra_info": {
+            "index": index,
+            "split": split,
+            "steps": len(steps),
+            "signature": signature(start, steps),
+            "problem": problem,
+            "solution": worked_solution(start, steps),
+        },
+    }
 
 
 def _check_max_ops(max_ops: int) -> None:
@@ -113,8 +127,12 @@ def eval_rows(size: int, max_ops: int) -> list[dict]:
     problems are few); no seed in it."""
     _check_max_ops(max_ops)
     pools = {k: _eval_pool(k, size) for k in range(1, max_ops + 1)}
-    chosen = stratified_take(pools, size, f"data.synthetic_eval_size = {size}: the eval split has only {{have}} "
-                                          f"problems of <= {max_ops} steps; raise data.word_math_max_ops")  # fmt: skip
+    chosen = stratified_take(
+        pools,
+        size,
+        f"data.synthetic_eval_size = {size}: the eval split has only {{have}} "
+        f"problems of <= {max_ops} steps; raise data.word_math_max_ops",
+    )
     rng = np.random.default_rng(HELD_OUT_SEED)  # the wording
     return [word_math_row(start, steps, i, "eval", rng) for i, (start, steps) in enumerate(chosen)]
 
@@ -134,9 +152,14 @@ def train_rows(size: int, seed: int, max_ops: int) -> list[dict]:
 
 
 def make_word_math_datasets(
-    tokenizer: Any, train_size: int, eval_size: int, seed: int, max_prompt_len: int, max_ops: int = 2,
+    tokenizer: Any,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    max_prompt_len: int,
+    max_ops: int = 2,
     apply_chat_template: bool = True,
-) -> tuple[PromptDataset, PromptDataset]:  # fmt: skip
+) -> tuple[PromptDataset, PromptDataset]:
     train, held = train_rows(train_size, seed, max_ops), eval_rows(eval_size, max_ops)
     return (
         PromptDataset.from_rows(

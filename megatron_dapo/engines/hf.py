@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.config import ArchConfig
 from megatron_dapo.engines.base import EngineBase
+from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.types import (
     Bucket,
     GenRequest,
@@ -74,7 +74,7 @@ class HFEngine(EngineBase):
         if model is None:
             from transformers import AutoModelForCausalLM
 
-            from megatron_dapo.bridge.hf_config import transformers_config
+            from megatron_dapo.models.hf_config import transformers_config
 
             model = AutoModelForCausalLM.from_config(transformers_config(arch, str(self.dtype).split(".")[-1]))
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -100,7 +100,7 @@ class HFEngine(EngineBase):
         """Load an HF checkpoint directory (safetensors + config.json), or a GGUF file in it (dequantized)."""
         from transformers import AutoModelForCausalLM
 
-        from megatron_dapo.bridge.hf_config import arch_from_hf
+        from megatron_dapo.models.hf_config import arch_from_hf
 
         if gguf_file:
             model = load_gguf_model(Path(path) / gguf_file)
@@ -394,3 +394,9 @@ def _tokenizer_info_from_config(config) -> TokenizerInfo:
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     pad_id = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     return TokenizerInfo(eos_token_ids=eos_ids, pad_token_id=int(pad_id))
+
+
+def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, model_path) -> HFEngine:
+    """The in-process engine of ``rollout.engine: hf`` (engines/registry.py); it starts from the actor's weights."""
+    dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+    return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)

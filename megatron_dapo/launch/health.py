@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_dapo.config import DapoConfig, load_arch
+from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.models.arch import load_arch
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def health_timeout_s(cfg: DapoConfig, servers: int) -> float:
-    from megatron_dapo.plan import total_params
+    from megatron_dapo.models.memory import total_params
 
     weights = total_params(load_arch(cfg.model.arch)) * _DTYPE_BYTES[cfg.model.dtype]
     return cfg.rollout.server_timeout_s + 2 * servers * weights / (cfg.cluster.fs_read_gbps * 1e9)

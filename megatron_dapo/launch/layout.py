@@ -18,32 +18,48 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_dapo.launch.slurm_env import LaunchError
-from megatron_dapo.memory import GiB
+from megatron_dapo.models.memory import GiB
 
 if TYPE_CHECKING:
-    from megatron_dapo.config import DapoConfig
+    from megatron_dapo.config.run_config import DapoConfig
     from megatron_dapo.launch.placement import Placement
-    from megatron_dapo.plan import Plan
+    from megatron_dapo.planning.planner import Plan
 
 
 def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
     """The memory model's verdict on the recipe's own layout (no search): ``Plan.phases`` when colocated."""
-    from megatron_dapo.plan import evaluate_layout
+    from megatron_dapo.planning.planner import evaluate_layout
 
     p, r = cfg.parallel, cfg.rollout
     max_new = r.sampling.max_new_tokens
     colocated = cfg.cluster.placement == "colocated"
-    options = dict(colocated=colocated, rollout_mem_fraction=r.mem_fraction, batch_prompts=cfg.train.batch_prompts,
-                   group_size=cfg.algo.group_size, mini_batch_prompts=cfg.train.mini_batch_prompts,
-                   logprob_chunk_tokens=p.logprob_chunk_tokens)  # fmt: skip
+    options = dict(
+        colocated=colocated,
+        rollout_mem_fraction=r.mem_fraction,
+        batch_prompts=cfg.train.batch_prompts,
+        group_size=cfg.algo.group_size,
+        mini_batch_prompts=cfg.train.mini_batch_prompts,
+        logprob_chunk_tokens=p.logprob_chunk_tokens,
+    )
     if not colocated:
         options["rollout_nodes"] = cfg.cluster.rollout_nodes
     return evaluate_layout(
-        cfg.model.arch, cfg.data.max_prompt_len, max_new, nodes, gpus_per_node, cfg.cluster.gpu_mem_gb,
-        tp=p.tp, pp=p.pp, cp=p.cp, micro_batch_tokens=p.max_tokens_per_micro_batch or cfg.data.max_prompt_len + max_new,
-        recompute=cfg.model.recompute or "none", distributed_optimizer=p.distributed_optimizer is not False,
-        fp8=cfg.model.fp8 is not None, sglang_tp=r.sglang_tp, **options,
-    )  # fmt: skip
+        cfg.model.arch,
+        cfg.data.max_prompt_len,
+        max_new,
+        nodes,
+        gpus_per_node,
+        cfg.cluster.gpu_mem_gb,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        micro_batch_tokens=p.max_tokens_per_micro_batch or cfg.data.max_prompt_len + max_new,
+        recompute=cfg.model.recompute or "none",
+        distributed_optimizer=p.distributed_optimizer is not False,
+        fp8=cfg.model.fp8 is not None,
+        sglang_tp=r.sglang_tp,
+        **options,
+    )
 
 
 def _top(rows: list[tuple[str, float, str]], n: int = 3) -> str:
@@ -54,8 +70,11 @@ def check_fits(layout: Plan, cfg: DapoConfig) -> None:
     """Refuse (LaunchError) a layout the memory model predicts not to fit, naming the phase and its numbers."""
     if layout.feasible or not cfg.cluster.memory_check:
         return
-    why = [f"{ph.phase} phase: peak {ph.total / GiB:.1f} GiB > {ph.usable / GiB:.1f} GiB usable ({_top(ph.rows)} GiB)"
-           for ph in layout.phases if not ph.fits]  # fmt: skip
+    why = [
+        f"{ph.phase} phase: peak {ph.total / GiB:.1f} GiB > {ph.usable / GiB:.1f} GiB usable ({_top(ph.rows)} GiB)"
+        for ph in layout.phases
+        if not ph.fits
+    ]
     phase_reasons = ("training needs", "rollout phase:") if layout.phases else ("rollout phase:",)
     why += [reason for reason in layout.reasons if not reason.startswith(phase_reasons)]
     raise LaunchError(
@@ -67,12 +86,16 @@ def check_fits(layout: Plan, cfg: DapoConfig) -> None:
 
 def memory_dict(layout: Plan) -> dict:
     return {
-        "gpu_mem_gb": layout.gpu_mem_gb, "usable_gib": layout.usable_gb, "fits": layout.feasible,
+        "gpu_mem_gb": layout.gpu_mem_gb,
+        "usable_gib": layout.usable_gb,
+        "fits": layout.feasible,
         "reasons": list(layout.reasons),
-        "phases": {ph.phase: {"peak_gib": ph.total / GiB, "terms_gib": {k: v / GiB for k, v, _ in ph.rows}}
-                   for ph in layout.phases},
+        "phases": {
+            ph.phase: {"peak_gib": ph.total / GiB, "terms_gib": {k: v / GiB for k, v, _ in ph.rows}}
+            for ph in layout.phases
+        },
         "train_gib": layout.memory.total / GiB,
-    }  # fmt: skip
+    }
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -82,11 +105,15 @@ def _ranks(ranks: list[int]) -> str:
 def describe_engines(placement: Placement, node_names: list[str], ports: list[int]) -> list[str]:
     """One line per engine: node, GPUs/base GPU, TP, port, and the trainer ranks that share its GPUs and feed it."""
     pl = placement
-    lines = [f"rollout engines: {len(pl.engines)} SGLang servers, TP{pl.rollout_tp} dp 1 (one per rollout-TP group "
-             f"of GPUs, --base-gpu-id), {pl.engines_per_node} per node"]  # fmt: skip
+    lines = [
+        f"rollout engines: {len(pl.engines)} SGLang servers, TP{pl.rollout_tp} dp 1 (one per rollout-TP group "
+        f"of GPUs, --base-gpu-id), {pl.engines_per_node} per node"
+    ]
     for e, port in zip(pl.engines, ports):
-        line = (f"  engine {e.index:3d}  {node_names[e.node]:<12} GPUs {e.gpus.start}-{e.gpus.stop - 1} "
-                f"(--base-gpu-id {e.base_gpu_id}, --tp-size {e.tp})  port {port}")  # fmt: skip
+        line = (
+            f"  engine {e.index:3d}  {node_names[e.node]:<12} GPUs {e.gpus.start}-{e.gpus.stop - 1} "
+            f"(--base-gpu-id {e.base_gpu_id}, --tp-size {e.tp})  port {port}"
+        )
         route = pl.routes[e.index]
         if pl.colocated:
             stages = sorted({pl.coords(r)["pp"] for r in route.senders})
@@ -100,23 +127,29 @@ def describe_sync(placement: Placement, node_names: list[str]) -> list[str]:
     pl = placement
     if not pl.colocated:
         return ["weight sync: trainer rank 0 -> every engine over one NCCL group (rollout.weight_sync=distributed)"]
-    lines = ["weight sync, per node (CUDA IPC: a handle opens only on its own node; no engine gets weights from "
-             "another node):"]  # fmt: skip
+    lines = [
+        "weight sync, per node (CUDA IPC: a handle opens only on its own node; no engine gets weights from "
+        "another node):"
+    ]
     for node in sorted({e.node for e in pl.engines}):
         routes = [r for r in pl.routes if r.node == node]
         parts = [f"engine {r.engine} <- ranks {_ranks(list(r.senders))} (rank {r.poster} posts)" for r in routes]
         lines.append(f"  {node_names[node]}: " + "; ".join(parts))
     if pl.pp_exchange:
         where = "across nodes" if pl.pp_spans_nodes else "inside each node"
-        lines.append(f"  PP exchange first: PP{pl.pp} stages sit on different {'nodes' if pl.pp_spans_nodes else 'GPUs'}"
-                     f"; each sending rank receives the other stages' parameters over the trainer's pipeline group "
-                     f"({where}), so every engine gets the whole model")  # fmt: skip
+        lines.append(
+            f"  PP exchange first: PP{pl.pp} stages sit on different {'nodes' if pl.pp_spans_nodes else 'GPUs'}"
+            f"; each sending rank receives the other stages' parameters over the trainer's pipeline group "
+            f"({where}), so every engine gets the whole model"
+        )
     return lines
 
 
 def describe_memory(layout: Plan) -> list[str]:
-    lines = [f"memory per GPU (predicted; cluster.gpu_mem_gb {layout.gpu_mem_gb:g}, usable {layout.usable_gb:.1f} GiB; "
-             "`dapo plan` explains the terms):"]  # fmt: skip
+    lines = [
+        f"memory per GPU (predicted; cluster.gpu_mem_gb {layout.gpu_mem_gb:g}, usable {layout.usable_gb:.1f} GiB; "
+        "`dapo plan` explains the terms):"
+    ]
     for ph in layout.phases:
         terms = " + ".join(f"{name} {v / GiB:.1f}" for name, v, _ in ph.rows if v)
         lines.append(f"  {ph.phase} phase: {terms} = {ph.total / GiB:.1f} GiB: {'fits' if ph.fits else 'DOES NOT FIT'}")

@@ -123,12 +123,13 @@ def packager(run, kind: str):
     """nemo-run's packager of this code: it is unpacked in <job dir>/code, the driver's working directory."""
     if kind == "git":
         return run.GitArchivePackager()
-    from megatron_dapo.config import PACKAGE_DIR
+    from megatron_dapo.config.run_config import PACKAGE_DIR
 
     root = PACKAGE_DIR.parent
     present = [name for name in PACKAGED if (root / name).exists()]
-    return run.PatternPackager(include_pattern=[str(root / name) for name in present],
-                               relative_path=[str(root)] * len(present))  # fmt: skip
+    return run.PatternPackager(
+        include_pattern=[str(root / name) for name in present], relative_path=[str(root)] * len(present)
+    )
 
 
 def build(args: argparse.Namespace):
@@ -136,15 +137,33 @@ def build(args: argparse.Namespace):
     run = _nemo_run()
     if args.executor == "local":
         if args.trainer_cmd:
-            cmd = [t.format(python=args.python, server_urls="[]", log_dir=args.log_dir or "", resume=args.resume)
-                   for t in shlex.split(args.trainer_cmd)]  # fmt: skip
+            cmd = [
+                t.format(python=args.python, server_urls="[]", log_dir=args.log_dir or "", resume=args.resume)
+                for t in shlex.split(args.trainer_cmd)
+            ]
         else:
-            cmd = [args.python, "-m", "megatron_dapo.cli", "train", "--recipe", args.recipe, *args.overrides,
-                   "--resume", args.resume]  # fmt: skip
+            cmd = [
+                args.python,
+                "-m",
+                "megatron_dapo.cli",
+                "train",
+                "--recipe",
+                args.recipe,
+                *args.overrides,
+                "--resume",
+                args.resume,
+            ]
         k = args.ntasks_per_node or 1
         if k > 1:
-            cmd = [args.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}", "--no-python",
-                   *cmd]  # fmt: skip
+            cmd = [
+                args.python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={k}",
+                "--no-python",
+                *cmd,
+            ]
         script = run.Script(inline=f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(cmd)}")
         return script, run.LocalExecutor(ntasks_per_node=1)
 

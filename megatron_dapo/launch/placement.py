@@ -114,14 +114,30 @@ class Placement:
 
     def to_dict(self) -> dict:
         return {
-            "nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-            "dp": self.dp, "rollout_tp": self.rollout_tp, "colocated": self.colocated,
-            "engines": [{"index": e.index, "node": e.node, "base_gpu_id": e.base_gpu_id, "tp": e.tp}
-                        for e in self.engines],
-            "routes": [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
-                        "transport": r.transport} for r in self.routes],
-            "pp_exchange": self.pp_exchange, "pp_spans_nodes": self.pp_spans_nodes,
-        }  # fmt: skip
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "tp": self.tp,
+            "pp": self.pp,
+            "cp": self.cp,
+            "dp": self.dp,
+            "rollout_tp": self.rollout_tp,
+            "colocated": self.colocated,
+            "engines": [
+                {"index": e.index, "node": e.node, "base_gpu_id": e.base_gpu_id, "tp": e.tp} for e in self.engines
+            ],
+            "routes": [
+                {
+                    "engine": r.engine,
+                    "node": r.node,
+                    "senders": list(r.senders),
+                    "poster": r.poster,
+                    "transport": r.transport,
+                }
+                for r in self.routes
+            ],
+            "pp_exchange": self.pp_exchange,
+            "pp_spans_nodes": self.pp_spans_nodes,
+        }
 
     def explain(self, node_names: list[str] | None = None) -> str:
         name = (lambda n: node_names[n]) if node_names else (lambda n: f"node{n}")  # noqa: E731
@@ -148,9 +164,16 @@ class Placement:
 
 
 def make_placement(
-    nodes: int, gpus_per_node: int, tp: int, pp: int, cp: int, rollout_tp: int, colocated: bool = True,
-    rollout_nodes: int = 0, ranks_per_node: int = 0,
-) -> Placement:  # fmt: skip
+    nodes: int,
+    gpus_per_node: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    rollout_tp: int,
+    colocated: bool = True,
+    rollout_nodes: int = 0,
+    ranks_per_node: int = 0,
+) -> Placement:
     """Engines and sync routes for the cluster (see the module docstring); errors name the setting.
 
     ``ranks_per_node`` other than the GPU count (CPU runs, emulated nodes) splits a node's ranks evenly over its
@@ -185,11 +208,16 @@ def make_placement(
     if colocated:
         share = slots // per_node  # = rollout_tp with one rank per GPU: the ranks on the engine's GPUs
         routes = tuple(
-            SyncRoute(e.index, e.node, tuple(p.rank(e.node, e.base_gpu_id // rollout_tp * share + i)
-                                             for i in range(share)), "cuda_ipc")
+            SyncRoute(
+                e.index,
+                e.node,
+                tuple(p.rank(e.node, e.base_gpu_id // rollout_tp * share + i) for i in range(share)),
+                "cuda_ipc",
+            )
             for e in engines
-        )  # fmt: skip
+        )
     else:
         routes = tuple(SyncRoute(e.index, e.node, (0,), "nccl") for e in engines)
-    return Placement(nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines, routes,
-                     ranks_per_node)  # fmt: skip
+    return Placement(
+        nodes, gpus_per_node, tp, pp, cp, rollout_tp, colocated, rollout_nodes, engines, routes, ranks_per_node
+    )

@@ -21,11 +21,14 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
-from megatron_dapo.config import ConfigError, DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.versions import MCORE_RANGE, in_range
 
-FIX_ENV = ("run with an environment that has the GPU stack: PYTHON=/path/to/gpu-venv/bin/python (slurm/*.sbatch), "
-           "dapo launch --python ..., or cluster.container_image=<an image built from docker/Dockerfile>")  # fmt: skip
+FIX_ENV = (
+    "run with an environment that has the GPU stack: PYTHON=/path/to/gpu-venv/bin/python (slurm/*.sbatch), "
+    "dapo launch --python ..., or cluster.container_image=<an image built from docker/Dockerfile>"
+)
 
 
 class PreflightError(ConfigError):
@@ -81,24 +84,33 @@ def check(needs: Needs, facts: Facts) -> list[str]:
     if facts.mcore is None:
         out.append(f"megatron-core is not installed: pip install 'megatron-core{MCORE_RANGE}'")
     elif not in_range(facts.mcore, MCORE_RANGE):
-        out.append(f"megatron-core {facts.mcore} is outside the supported range {MCORE_RANGE} (megatron_dapo/"
-                   f"versions.py MCORE_RANGE): pip install 'megatron-core{MCORE_RANGE}'")  # fmt: skip
+        out.append(
+            f"megatron-core {facts.mcore} is outside the supported range {MCORE_RANGE} (megatron_dapo/"
+            f"versions.py MCORE_RANGE): pip install 'megatron-core{MCORE_RANGE}'"
+        )
     gpu = bool(needs.cuda) or facts.cuda_devices > 0
     if needs.cuda and facts.torch_cuda is None:
-        out.append(f"torch {facts.torch} is a CPU build, but the job runs on CUDA devices ({'; '.join(needs.cuda)}): "
-                   f"{FIX_ENV}")  # fmt: skip
+        out.append(
+            f"torch {facts.torch} is a CPU build, but the job runs on CUDA devices ({'; '.join(needs.cuda)}): {FIX_ENV}"
+        )
     elif gpu and needs.gpus_per_node and facts.cuda_devices < needs.gpus_per_node:
-        out.append(f"this node shows {facts.cuda_devices} CUDA devices, the layout needs {needs.gpus_per_node} per node"
-                   f" ({needs.gpus_why or 'cluster.gpus_per_node'}): ask Slurm for them (--gpus-per-node), check "
-                   "CUDA_VISIBLE_DEVICES, or plan for the GPUs the nodes have")  # fmt: skip
+        out.append(
+            f"this node shows {facts.cuda_devices} CUDA devices, the layout needs {needs.gpus_per_node} per node"
+            f" ({needs.gpus_why or 'cluster.gpus_per_node'}): ask Slurm for them (--gpus-per-node), check "
+            "CUDA_VISIBLE_DEVICES, or plan for the GPUs the nodes have"
+        )
     if gpu and needs.te and facts.imports.get("transformer_engine.pytorch"):
-        out.append(f"Transformer Engine is not importable ({facts.imports['transformer_engine.pytorch']}), but "
-                   f"{'; '.join(needs.te)} needs it: install transformer-engine[pytorch] (requirements/gpu.txt; the "
-                   "image of docker/Dockerfile has it), or turn those settings off")  # fmt: skip
+        out.append(
+            f"Transformer Engine is not importable ({facts.imports['transformer_engine.pytorch']}), but "
+            f"{'; '.join(needs.te)} needs it: install transformer-engine[pytorch] (requirements/gpu.txt; the "
+            "image of docker/Dockerfile has it), or turn those settings off"
+        )
     for module, what in (("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")):
         if needs.sglang and facts.imports.get(module):
-            out.append(f"{what} not importable ({facts.imports[module]}), but rollout.engine = 'sglang' runs on CUDA: "
-                       f"install the pins of requirements/gpu.txt, or {FIX_ENV}")  # fmt: skip
+            out.append(
+                f"{what} not importable ({facts.imports[module]}), but rollout.engine = 'sglang' runs on CUDA: "
+                f"install the pins of requirements/gpu.txt, or {FIX_ENV}"
+            )
     return out
 
 
@@ -140,13 +152,22 @@ def probe_python(python: str, needs: Needs) -> Facts:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PreflightError(f"preflight: cannot run {python}: {e}") from e
     if out.returncode != 0:
-        raise PreflightError(f"preflight: {python} -m megatron_dapo.launch.preflight failed ({out.returncode}): "
-                             f"{out.stderr.strip()[-500:]}; {FIX_ENV}")  # fmt: skip
+        raise PreflightError(
+            f"preflight: {python} -m megatron_dapo.launch.preflight failed ({out.returncode}): "
+            f"{out.stderr.strip()[-500:]}; {FIX_ENV}"
+        )
     return Facts(**json.loads(out.stdout.splitlines()[-1]))
 
 
-def preflight(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = True, python: str | None = None,
-              where: str = "dapo train", gpus_why: str = "", sglang: bool = True) -> None:  # fmt: skip
+def preflight(
+    cfg: DapoConfig,
+    gpus_per_node: int = 0,
+    starts_servers: bool = True,
+    python: str | None = None,
+    where: str = "dapo train",
+    gpus_why: str = "",
+    sglang: bool = True,
+) -> None:
     """Probe and check (SGLang's imports unless ``sglang`` is false); raise ``PreflightError`` with every failed
     check, one per line."""
     needs = needs_for(cfg, gpus_per_node, starts_servers, gpus_why)

@@ -31,7 +31,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config import ConfigError, DapoConfig, check_divisible, check_world_divides, load_arch, load_config
+from megatron_dapo.config.run_config import DapoConfig, check_world_divides, load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.launch.health import health_timeout_s
 from megatron_dapo.launch.layout import (
     check_fits,
@@ -53,6 +54,7 @@ from megatron_dapo.launch.slurm_env import (  # noqa: F401  (names of this modul
 )
 from megatron_dapo.launch.stop import allocation_name, requeue
 from megatron_dapo.launch.supervise import Supervisor, http_ok  # noqa: F401  (this module's API since it began)
+from megatron_dapo.models.arch import check_divisible, load_arch
 from megatron_dapo.ports import JobPorts, find_collisions
 from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
 
@@ -112,8 +114,10 @@ class LaunchPlan:
     server_args_file: str = ""  # the servers' --config file (the API key, mode 0600), written when the job starts
 
     def roles(self) -> dict[str, list[str]]:
-        return {n: (["train"] if n in self.train_nodes else []) + (["rollout"] if n in self.rollout_nodes else [])
-                for n in self.nodes}  # fmt: skip
+        return {
+            n: (["train"] if n in self.train_nodes else []) + (["rollout"] if n in self.rollout_nodes else [])
+            for n in self.nodes
+        }
 
     def as_dict(self) -> dict:
         return {**asdict(self), "roles": self.roles()}
@@ -212,7 +216,7 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     env = dict(os.environ if env is None else env)
     cfg = load_config(opts.recipe, opts.overrides)
     if cfg.model.hf_init and (Path(cfg.model.hf_init) / "config.json").is_file():  # where the launch node sees it
-        from megatron_dapo.bridge.hf_config import check_hf_dir  # as dapo train does, before any step
+        from megatron_dapo.models.hf_config import check_hf_dir  # as dapo train does, before any step
 
         check_hf_dir(load_arch(cfg.model.arch), cfg.model.hf_init)
     c, r, p = cfg.cluster, cfg.rollout, cfg.parallel
@@ -224,8 +228,10 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     elif dry_run:
         nodes = [f"node{i + 1}" for i in range(opts.nodes or c.nodes)]
     else:
-        raise LaunchError("not inside a Slurm allocation (SLURM_JOB_NODELIST is not set): submit with sbatch, "
-                          "run under salloc, or use --dry-run")  # fmt: skip
+        raise LaunchError(
+            "not inside a Slurm allocation (SLURM_JOB_NODELIST is not set): submit with sbatch, "
+            "run under salloc, or use --dry-run"
+        )
     if opts.nodes:
         if opts.nodes > len(nodes):
             raise LaunchError(f"--nodes {opts.nodes}: the allocation has only {len(nodes)} nodes ({', '.join(nodes)})")
@@ -249,8 +255,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         if r.colocate:
             raise ConfigError("rollout.colocate = True contradicts cluster.placement = 'disaggregated'")
         if r.weight_sync == "tensor":
-            raise ConfigError("rollout.weight_sync = 'tensor' (CUDA IPC) only works on one node: use distributed "
-                              "when disaggregated")  # fmt: skip
+            raise ConfigError(
+                "rollout.weight_sync = 'tensor' (CUDA IPC) only works on one node: use distributed when disaggregated"
+            )
         if not 0 < c.rollout_nodes < len(nodes):
             raise ConfigError(f"cluster.rollout_nodes = {c.rollout_nodes}: need 0 < rollout_nodes < {len(nodes)} nodes")
         placement, train_nodes, rollout_nodes = "disaggregated", nodes[: -c.rollout_nodes], nodes[-c.rollout_nodes :]
@@ -265,9 +272,17 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     pl, layout = None, None
     if gpu:
         try:
-            pl = make_placement(len(nodes), gpus, p.tp, p.pp, p.cp, r.sglang_tp, placement == "colocated",
-                                len(rollout_nodes) if placement == "disaggregated" else 0,
-                                0 if tasks == gpus else tasks)  # fmt: skip
+            pl = make_placement(
+                len(nodes),
+                gpus,
+                p.tp,
+                p.pp,
+                p.cp,
+                r.sglang_tp,
+                placement == "colocated",
+                len(rollout_nodes) if placement == "disaggregated" else 0,
+                0 if tasks == gpus else tasks,
+            )
         except PlacementError as e:
             raise ConfigError(str(e)) from e
         if r.sglang_device == "cuda":  # the memory model is a GPU's; refuse before any step starts
@@ -306,20 +321,46 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         who = f"server {node} GPU {e.base_gpu_id}"
         port_uses.update({f"{who} (HTTP)": (addr[node], port), who: (addr[node], sp.all()[1:])})
         if opts.server_cmd:
-            command = _fill(opts.server_cmd, python=py, node=node, port=port, index=e.index, gpu=e.base_gpu_id,
-                            log_dir=log_dir, args_file=args_file)  # fmt: skip
+            command = _fill(
+                opts.server_cmd,
+                python=py,
+                node=node,
+                port=port,
+                index=e.index,
+                gpu=e.base_gpu_id,
+                log_dir=log_dir,
+                args_file=args_file,
+            )
         else:
-            command = sglang_server_command(cfg, py, port, placement == "colocated", addr[node], args_file,
-                                            e.base_gpu_id)  # fmt: skip
+            command = sglang_server_command(
+                cfg, py, port, placement == "colocated", addr[node], args_file, e.base_gpu_id
+            )
             command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         tag = node if pl.engines_per_node == 1 else f"{node}-g{e.base_gpu_id}"
         name, log = f"dapo-server-{tag}", f"{log_dir}/server-{tag}.log"
         task_env = sglang_server_env(cfg, placement == "colocated")
         export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in task_env.items())])
-        engine = {"index": e.index, "node": node, "base_gpu_id": e.base_gpu_id, "tp": e.tp, "port": port,
-                  "senders": list(pl.routes[e.index].senders)}  # fmt: skip
-        servers.append(Step(name, "rollout", [node], 1, command, srun(name, [node], 1, log) + [export] + command, log,
-                            f"http://{addr[node]}:{port}", engine))  # fmt: skip
+        engine = {
+            "index": e.index,
+            "node": node,
+            "base_gpu_id": e.base_gpu_id,
+            "tp": e.tp,
+            "port": port,
+            "senders": list(pl.routes[e.index].senders),
+        }
+        servers.append(
+            Step(
+                name,
+                "rollout",
+                [node],
+                1,
+                command,
+                srun(name, [node], 1, log) + [export] + command,
+                log,
+                f"http://{addr[node]}:{port}",
+                engine,
+            )
+        )
 
     urls = [s.url for s in servers] or list(r.server_urls)
     # options first: dapo train reads the overrides as one positional list (rollout.server_urls is appended below)
@@ -332,18 +373,35 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     if servers:
         train_args.append(f"rollout.server_urls={json.dumps(urls, separators=(',', ':'))}")
     if opts.trainer_cmd:
-        entry = _fill(opts.trainer_cmd, python=py, server_urls=json.dumps(urls, separators=(",", ":")), log_dir=log_dir,
-                      resume=opts.resume)  # fmt: skip
+        entry = _fill(
+            opts.trainer_cmd,
+            python=py,
+            server_urls=json.dumps(urls, separators=(",", ":")),
+            log_dir=log_dir,
+            resume=opts.resume,
+        )
     else:
         entry = [py, "-m", "megatron_dapo.cli", "train", *train_args]
     command = [py, "-m", "megatron_dapo.launch.slurm", "rank-exec", "--", *entry]
     log = f"{log_dir}/trainer-%t.log"
-    trainer = Step("dapo-trainer", "trainer", train_nodes, world, command, srun("dapo-trainer", train_nodes, world, log)
-                   + command, log)  # fmt: skip
+    trainer = Step(
+        "dapo-trainer",
+        "trainer",
+        train_nodes,
+        world,
+        command,
+        srun("dapo-trainer", train_nodes, world, log) + command,
+        log,
+    )
 
     stop_file = f"{log_dir}/stop-request"
-    run_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "PYTHONUNBUFFERED": "1",
-               STOP_FILE_ENV: stop_file, **ports.env()}  # fmt: skip
+    run_env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "PYTHONUNBUFFERED": "1",
+        STOP_FILE_ENV: stop_file,
+        **ports.env(),
+    }
     if urls:  # rank-exec derives DAPO_LOCAL_SERVER_URL (colocated: the server on the rank's own node) from these
         run_env.update(DAPO_SERVER_URLS=json.dumps(urls, separators=(",", ":")), DAPO_PLACEMENT=placement)
         if servers:  # in engine order: node-major, then base GPU (placement.py)
@@ -363,16 +421,37 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         if key in env and key not in run_env:
             run_env[key] = env[key]
     return LaunchPlan(
-        recipe=str(opts.recipe), model=cfg.model.arch, job_id=job_id, engine=r.engine, placement=placement,
-        nodes=nodes, train_nodes=train_nodes, rollout_nodes=rollout_nodes, gpus_per_node=gpus, tasks_per_node=tasks,
-        world_size=world, tp=p.tp, pp=p.pp, cp=p.cp, dp=world // mp, master_addr=master_addr,
-        master_port=master_port, env=run_env, log_dir=log_dir,
+        recipe=str(opts.recipe),
+        model=cfg.model.arch,
+        job_id=job_id,
+        engine=r.engine,
+        placement=placement,
+        nodes=nodes,
+        train_nodes=train_nodes,
+        rollout_nodes=rollout_nodes,
+        gpus_per_node=gpus,
+        tasks_per_node=tasks,
+        world_size=world,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        dp=world // mp,
+        master_addr=master_addr,
+        master_port=master_port,
+        env=run_env,
+        log_dir=log_dir,
         health_timeout_s=opts.health_timeout_s or health_timeout_s(cfg, len(servers)),
-        trainer=trainer, servers=servers, run_dir=str(Path(cfg.train.run_dir) / cfg.train.name),
-        steps=cfg.train.steps, stop_file=stop_file, port_base=ports.base, server_args_file=args_file,
+        trainer=trainer,
+        servers=servers,
+        run_dir=str(Path(cfg.train.run_dir) / cfg.train.name),
+        steps=cfg.train.steps,
+        stop_file=stop_file,
+        port_base=ports.base,
+        server_args_file=args_file,
         layout=pl.to_dict() if pl else {},
-        memory=memory_dict(layout) if layout else {}, layout_text=layout_text,
-    )  # fmt: skip
+        memory=memory_dict(layout) if layout else {},
+        layout_text=layout_text,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -391,18 +470,36 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ntasks-per-node", type=int, help="trainer ranks per node (default: GPUs per node; CPU: 1)")
     ap.add_argument("--log-dir", help="step logs (default: <train.run_dir>/<train.name>/slurm-<job id>)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the steps (default: this one)")
-    ap.add_argument("--health-timeout", type=float, help="seconds to wait for servers (default: scaled with the "
-                    "model and the number of servers, see launch/health.py)")  # fmt: skip
-    ap.add_argument("--resume", default="auto", help="passed to dapo train: auto (default: the run's newest complete "
-                    "checkpoint, if any), none, or a checkpoint directory")  # fmt: skip
-    ap.add_argument("--stop-before", type=float, help="stop the trainer (it saves) this many seconds before the job's "
-                    "time limit, read from scontrol (for a driver run as a job step: nemo-run)")  # fmt: skip
-    ap.add_argument("--requeue-on-stop", action="store_true", help="after a time-limit stop, requeue the job from "
-                    "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)")  # fmt: skip
+    ap.add_argument(
+        "--health-timeout",
+        type=float,
+        help="seconds to wait for servers (default: scaled with the "
+        "model and the number of servers, see launch/health.py)",
+    )
+    ap.add_argument(
+        "--resume",
+        default="auto",
+        help="passed to dapo train: auto (default: the run's newest complete "
+        "checkpoint, if any), none, or a checkpoint directory",
+    )
+    ap.add_argument(
+        "--stop-before",
+        type=float,
+        help="stop the trainer (it saves) this many seconds before the job's "
+        "time limit, read from scontrol (for a driver run as a job step: nemo-run)",
+    )
+    ap.add_argument(
+        "--requeue-on-stop",
+        action="store_true",
+        help="after a time-limit stop, requeue the job from "
+        "here (for a driver run as a job step, e.g. by nemo-run; slurm/common.sh requeues itself)",
+    )
     ap.add_argument("--nemo", action="store_true", help="submit through nemo-run instead (see launch/nemo.py)")
     test = ap.add_argument_group("testing and debugging (replace the real programs)")
-    test.add_argument("--server-cmd", help="template for the server command: {python} {node} {port} {index} {gpu} "
-                      "{log_dir} {args_file}")  # fmt: skip
+    test.add_argument(
+        "--server-cmd",
+        help="template for the server command: {python} {node} {port} {index} {gpu} {log_dir} {args_file}",
+    )
     test.add_argument(
         "--trainer-cmd", help="template for the per-rank trainer command: {python} {server_urls} {log_dir} {resume}"
     )
@@ -421,11 +518,19 @@ def main(argv: list[str] | None = None) -> int:
             return nemo.main([a for a in argv if a != "--nemo"])
         args = make_parser().parse_intermixed_args(argv)
         opts = LaunchOptions(
-            recipe=args.recipe, overrides=args.overrides, nodes=args.nodes, nodelist=args.nodelist,
-            gpus_per_node=args.gpus_per_node, ntasks_per_node=args.ntasks_per_node, log_dir=args.log_dir,
-            python=args.python, health_timeout_s=args.health_timeout, resume=args.resume, server_cmd=args.server_cmd,
+            recipe=args.recipe,
+            overrides=args.overrides,
+            nodes=args.nodes,
+            nodelist=args.nodelist,
+            gpus_per_node=args.gpus_per_node,
+            ntasks_per_node=args.ntasks_per_node,
+            log_dir=args.log_dir,
+            python=args.python,
+            health_timeout_s=args.health_timeout,
+            resume=args.resume,
+            server_cmd=args.server_cmd,
             trainer_cmd=args.trainer_cmd,
-        )  # fmt: skip
+        )
         plan = build_plan(opts, dry_run=args.dry_run)
         if args.dry_run:
             print(json.dumps(plan.as_dict(), indent=1) if args.json else plan.describe())
@@ -434,8 +539,13 @@ def main(argv: list[str] | None = None) -> int:
             launch_preflight,
         )
 
-        launch_preflight(load_config(opts.recipe, opts.overrides), plan.gpus_per_node, len(plan.servers), opts.python,
-                         stand_ins=bool(opts.server_cmd or opts.trainer_cmd))  # fmt: skip
+        launch_preflight(
+            load_config(opts.recipe, opts.overrides),
+            plan.gpus_per_node,
+            len(plan.servers),
+            opts.python,
+            stand_ins=bool(opts.server_cmd or opts.trainer_cmd),
+        )
         print(plan.describe(), file=sys.stderr, flush=True)
         supervisor = Supervisor(plan, stop_before_s=args.stop_before or 0)
         rc = supervisor.run()

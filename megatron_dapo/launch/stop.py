@@ -57,8 +57,16 @@ def job_end_time(job_id: str | None) -> float | None:
 
 
 class StopRelay:
-    def __init__(self, stop_file: str | Path, ckpt_dir: str | Path, steps: int, say: Callable[[str], None],
-                 signal_file: str | None = None, job_id: str | None = None, stop_before_s: float = 0):  # fmt: skip
+    def __init__(
+        self,
+        stop_file: str | Path,
+        ckpt_dir: str | Path,
+        steps: int,
+        say: Callable[[str], None],
+        signal_file: str | None = None,
+        job_id: str | None = None,
+        stop_before_s: float = 0,
+    ):
         self.stop_file, self.ckpt_dir, self.steps, self.say = Path(stop_file), Path(ckpt_dir), steps, say
         self.signal_file = Path(signal_file) if signal_file else None
         self.job_id, self.stop_before_s = job_id, stop_before_s
@@ -69,8 +77,15 @@ class StopRelay:
 
     @classmethod
     def for_plan(cls, plan, say: Callable[[str], None], stop_before_s: float = 0) -> StopRelay:
-        return cls(plan.stop_file, Path(plan.run_dir) / "checkpoints", plan.steps, say,
-                   os.environ.get(SIGNAL_FILE_ENV), plan.job_id, stop_before_s)  # fmt: skip
+        return cls(
+            plan.stop_file,
+            Path(plan.run_dir) / "checkpoints",
+            plan.steps,
+            say,
+            os.environ.get(SIGNAL_FILE_ENV),
+            plan.job_id,
+            stop_before_s,
+        )
 
     def _near_time_limit(self) -> str | None:
         if not self.stop_before_s or not self.job_id:
@@ -111,6 +126,8 @@ class StopRelay:
         done = latest[0] if latest else 0
         if done >= self.steps:
             return 0
-        self.say(f"stopped early: step {done} of {self.steps} is saved in {self.ckpt_dir}; exit code {EXIT_RESUMABLE} "
-                 "(resumable): requeue or resubmit the job and it continues from there (--resume auto)")  # fmt: skip
+        self.say(
+            f"stopped early: step {done} of {self.steps} is saved in {self.ckpt_dir}; exit code {EXIT_RESUMABLE} "
+            "(resumable): requeue or resubmit the job and it continues from there (--resume auto)"
+        )
         return EXIT_RESUMABLE

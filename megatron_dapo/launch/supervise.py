@@ -50,8 +50,15 @@ class _Terminated(Exception):
 class Supervisor:
     """Runs a plan's steps as child srun processes; any failure tears every other step down at once."""
 
-    def __init__(self, plan: LaunchPlan, poll_s: float = 0.5, grace_s: float = 10.0, out=None, report_s: float = 30,
-                 stop_before_s: float = 0):  # fmt: skip
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        poll_s: float = 0.5,
+        grace_s: float = 10.0,
+        out=None,
+        report_s: float = 30,
+        stop_before_s: float = 0,
+    ):
         self.plan, self.poll_s, self.grace_s, self.report_s = plan, poll_s, grace_s, report_s
         self.out = out or sys.stderr
         self.procs: list[tuple[Step, subprocess.Popen, str]] = []
@@ -67,8 +74,9 @@ class Supervisor:
         if step.role == "trainer" and self.api_key:
             env[API_KEY_ENV] = self.api_key  # servers read theirs from the args file
         with open(srun_log, "w") as f:
-            proc = subprocess.Popen(step.srun, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                step.srun, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         self.procs.append((step, proc, srun_log))
         self.say(f"started {step.name} on {','.join(step.nodes)} (pid {proc.pid}); log {step.log}")
 
@@ -90,9 +98,11 @@ class Supervisor:
             found.sort(key=lambda f: "Exited with exit code" not in f[2])
             node, ranks, why = found[0] if found else (",".join(step.nodes), "0", f"srun exited with code {rc}")
             rank_log = step.log.replace("%t", re.split(r"[,-]", ranks)[0])
-            raise LaunchError(f"trainer (step {step.name}) failed on node {node}, rank {ranks}: {why} (srun exit "
-                              f"code {rc}); log: {rank_log}\n{_tail(rank_log)}\n  srun: {srun_log}\n"
-                              f"{_tail(srun_log, 5)}")  # fmt: skip
+            raise LaunchError(
+                f"trainer (step {step.name}) failed on node {node}, rank {ranks}: {why} (srun exit "
+                f"code {rc}); log: {rank_log}\n{_tail(rank_log)}\n  srun: {srun_log}\n"
+                f"{_tail(srun_log, 5)}"
+            )
         done = [proc.returncode for step, proc, _ in self.procs if step.role == "trainer" and proc.returncode == 0]
         return 0 if done else None
 
@@ -116,8 +126,10 @@ class Supervisor:
             if pending and time.monotonic() > deadline:
                 names = [s.name for s in self.plan.servers if s.url in pending]
                 logs = [s.log for s in self.plan.servers if s.url in pending]
-                raise LaunchError(f"servers not healthy after {self.plan.health_timeout_s:.0f} s: {', '.join(names)} "
-                                  f"({', '.join(sorted(pending))}); logs: {', '.join(logs)}")  # fmt: skip
+                raise LaunchError(
+                    f"servers not healthy after {self.plan.health_timeout_s:.0f} s: {', '.join(names)} "
+                    f"({', '.join(sorted(pending))}); logs: {', '.join(logs)}"
+                )
             time.sleep(self.poll_s if pending else 0)
 
     def teardown(self) -> None:
@@ -140,8 +152,12 @@ class Supervisor:
     def _scancel_leftovers(self, names: set[str]) -> None:
         """Cancel steps of OUR job, with OUR step names, that outlived their srun (only after a SIGKILL)."""
         try:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", str(self.plan.job_id), "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+            out = subprocess.run(
+                ["squeue", "-h", "-s", "-j", str(self.plan.job_id), "-o", "%i %j"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return
         for line in out.splitlines():

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from megatron_dapo.algo.batch import Group, to_sequences
 from megatron_dapo.algo.offpolicy import version_lag_stats
-from megatron_dapo.config import ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.loop.control import on_driver
 
 
@@ -170,8 +170,11 @@ class AsyncSchedule:
         metrics = self.inner.batch_metrics()  # partial: carried, resumed, dropped (its lag stats replaced below)
         shift = step - 1 - version
         for g in groups:
-            g.token_lag = ([[lag + shift for lag in row] for row in g.token_lag] if g.token_lag
-                           else [[shift] * len(r) for r in g.responses])  # fmt: skip
+            g.token_lag = (
+                [[lag + shift for lag in row] for row in g.token_lag]
+                if g.token_lag
+                else [[shift] * len(r) for r in g.responses]
+            )
         lags = [row for g in groups for row in g.token_lag]
         metrics.update({f"rollout/{k}": float(v) for k, v in version_lag_stats(lags).items()})
         metrics["rollout/batch_lag"] = float(shift)  # trainer version − the version the batch started on

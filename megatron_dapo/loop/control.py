@@ -87,8 +87,9 @@ def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
         ranks = [d for r in range(dist.get_world_size()) for d, held in enumerate(actor.dp_members) if r in held]
         timeout = datetime.timedelta(seconds=_CONTROL["timeout_s"])
         members = [sorted({0, *held}) for held in actor.dp_members]
-        _DP.update(ranks=ranks, members=members,
-                   groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members])  # fmt: skip
+        _DP.update(
+            ranks=ranks, members=members, groups=[dist.new_group(m, backend="gloo", timeout=timeout) for m in members]
+        )
     return _DP["ranks"], _DP["groups"]
 
 

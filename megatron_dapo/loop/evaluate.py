@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_dapo.config import DapoConfig, EvalConfig
+from megatron_dapo.config.run_config import DapoConfig, EvalConfig
 from megatron_dapo.metrics import eval_metrics
 from megatron_dapo.types import SamplingParams
 
@@ -54,7 +54,7 @@ def run_eval(
                         "response": s.text,
                         "score": float(r["score"]),
                         "finish_reason": s.finish_reason,
-                    }  # fmt: skip
+                    }
                 )
         counts.update({f"eval/{name}/problems": float(len(items)), f"eval/{name}/samples": float(len(samples))})
     return {**eval_metrics(records), **counts}
@@ -65,11 +65,11 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     ``samples_out``: also write every scored sample there (JSONL)."""
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.checkpoint import read_meta
-    from megatron_dapo.config import ArchConfig
     from megatron_dapo.data.sources import build_eval_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.loop.control import broadcast, is_driver, set_control_timeout
     from megatron_dapo.loop.rollout import RolloutDriver
+    from megatron_dapo.models.arch import ArchConfig
     from megatron_dapo.reward.registry import RewardScorer
 
     set_control_timeout(cfg.rollout.control_timeout_s)
@@ -83,9 +83,14 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     results, samples = None, []
     if is_driver():
         results = run_eval(
-            rollout.engine, RewardScorer(), datasets, cfg.eval, cfg.rollout.sampling.max_new_tokens, cfg.train.seed,
+            rollout.engine,
+            RewardScorer(),
+            datasets,
+            cfg.eval,
+            cfg.rollout.sampling.max_new_tokens,
+            cfg.train.seed,
             samples_out=samples,
-        )  # fmt: skip
+        )
         if samples_out:
             Path(samples_out).parent.mkdir(parents=True, exist_ok=True)
             Path(samples_out).write_text("".join(json.dumps(r) + "\n" for r in samples))

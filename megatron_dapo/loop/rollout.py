@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_dapo.config import ConfigError, DapoConfig, load_arch
+from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.engines.sglang import sync as sglang_sync
 from megatron_dapo.loop.control import broadcast, control_group, is_driver, on_driver, set_control_timeout  # noqa: F401
+from megatron_dapo.models.arch import load_arch
 from megatron_dapo.ports import JobPorts
 from megatron_dapo.sync.weight_sync import CopySync, WeightSync
 from megatron_dapo.types import TokenizerInfo
@@ -34,8 +37,9 @@ class RolloutDriver:
     def __init__(self, cfg: DapoConfig, arch, tokenizer, run_dir: Path, actor: MegatronActor):
         self.cfg, self.arch, self.actor = cfg, arch, actor
         self.engine = self.sync = None
+        self.spec = engine_spec(cfg.rollout.engine)
         model_path = cfg.model.hf_init
-        if cfg.rollout.engine == "sglang" and not model_path and not cfg.rollout.server_urls:
+        if self.spec.starts_from_hf_dir and not model_path and not cfg.rollout.server_urls:
             from megatron_dapo.bridge.export import save_hf_checkpoint
 
             model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
@@ -45,7 +49,7 @@ class RolloutDriver:
         def start() -> None:
             if self.node_sync is None:
                 check_tensor_sync_reach(cfg)
-            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
+            self.engine = self.spec.make(cfg, arch, TokenizerInfo.from_hf(tokenizer), run_dir, model_path)
             # per node, rank 0's transport reaches only its own engine (what ``resync`` may restart)
             self.sync = self.node_sync.local if self.node_sync else make_weight_sync(cfg, self.engine)
             self.engine.resync = self.resync
@@ -101,8 +105,11 @@ class RolloutDriver:
             )
         buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
         report = self.sync.sync(buckets, self.engine.weight_version, workers=list(servers))
-        print(f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
-              f"({report.tensors} tensors, {report.seconds:.1f} s, {report.verified} verified)", flush=True)  # fmt: skip
+        print(
+            f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
+            f"({report.tensors} tensors, {report.seconds:.1f} s, {report.verified} verified)",
+            flush=True,
+        )
 
     def close(self) -> None:
         """Stop the rollout servers this run started (an in-process engine has nothing to stop)."""
@@ -162,8 +169,10 @@ def _node_local_sync(cfg: DapoConfig):
         dist.all_gather_object(routes, route, group=control_group())
         if any(r is None for r in routes) != all(r is None for r in routes):
             missing = [i for i, r in enumerate(routes) if r is None]
-            raise ConfigError(f"DAPO_LOCAL_SERVER_URL is set on some ranks only (not on {missing}): launch with dapo "
-                              "launch, which sets it on every rank of a colocated job")  # fmt: skip
+            raise ConfigError(
+                f"DAPO_LOCAL_SERVER_URL is set on some ranks only (not on {missing}): launch with dapo "
+                "launch, which sets it on every rank of a colocated job"
+            )
         if not any(r is not None and r.poster for r in routes):
             route = None
     elif route is not None and not route.poster:
@@ -176,18 +185,6 @@ def _node_local_sync(cfg: DapoConfig):
         return make_weight_sync(cfg, SGLangEngine.from_config(cfg, None, server_urls=[url], start=False))
 
     return NodeLocalSync(route, transport, control_group())
-
-
-def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
-    info = TokenizerInfo.from_hf(tokenizer)
-    if cfg.rollout.engine == "hf":
-        from megatron_dapo.engines.hf import HFEngine
-
-        dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
-        return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
-    from megatron_dapo.engines.sglang.client import SGLangEngine
-
-    return SGLangEngine.from_config(cfg, model_path, info, log_dir=run_dir / "sglang")
 
 
 def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:

@@ -31,7 +31,7 @@ import torch
 from megatron_dapo.algo.batch import Group, group_from_samples, to_sequences
 from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import PromptOrderCollector
-from megatron_dapo.config import ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.async_schedule import AsyncSchedule
 from megatron_dapo.loop.control import on_driver
@@ -117,8 +117,9 @@ class SyncSchedule:
         while not sampler.full:
             items = self.prompts.take(cfg.algo.gen_batch_prompts)
             collector = PromptOrderCollector(len(items), sampler.missing, cfg.algo.dynamic_sampling)
-            stream = engine.generate_stream([it.prompt_ids for it in items], self.sampling(step, batch_index),
-                                            n=cfg.algo.group_size)  # fmt: skip
+            stream = engine.generate_stream(
+                [it.prompt_ids for it in items], self.sampling(step, batch_index), n=cfg.algo.group_size
+            )
             for samples in stream:
                 item = items[samples[0].prompt_index]
                 results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
@@ -199,8 +200,9 @@ class PartialSchedule(SyncSchedule):
         batch = sampler.take()
         stats = self._finish_stats(generated)
         stats["samples_generated"] = finished_samples  # every sample counted once, in the step it finishes
-        self._step.update(carried_groups=len(self.carried),
-                          carried_samples=sum(not s.finished for c in self.carried for s in c.slots))  # fmt: skip
+        self._step.update(
+            carried_groups=len(self.carried), carried_samples=sum(not s.finished for c in self.carried for s in c.slots)
+        )
         self.totals["resumed_samples"] += self._step["resumed_samples"]
         return batch, stats
 
@@ -224,13 +226,17 @@ class PartialSchedule(SyncSchedule):
                 if slot.finished:
                     continue
                 budget = remaining_budget(max_new, len(slot.response_ids))
-                requests.append(GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget,
-                                           sample_seed(sampling.seed, gi, j), route=gi))  # fmt: skip
+                requests.append(
+                    GenRequest(
+                        list(c.item.prompt_ids) + slot.response_ids, budget, sample_seed(sampling.seed, gi, j), route=gi
+                    )
+                )
                 owners.append((gi, j))
         finished, stops = 0, self._stop_ids(sampling)
         if requests and not cut:  # else the carried complete groups filled the batch: the rest waits a step
-            self._step["resumed_samples"] += sum(len(r.input_ids) > len(entries[gi].item.prompt_ids)
-                                                 for r, (gi, _) in zip(requests, owners))  # fmt: skip
+            self._step["resumed_samples"] += sum(
+                len(r.input_ids) > len(entries[gi].item.prompt_ids) for r, (gi, _) in zip(requests, owners)
+            )
             for s in engine.generate_requests(requests, sampling):
                 gi, j = owners[s.prompt_index]
                 slot = entries[gi].slots[j]
@@ -304,10 +310,14 @@ class PartialSchedule(SyncSchedule):
 
     # -- resume ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        carried = [{"item": dataclasses.asdict(c.item), "slots": [dataclasses.asdict(s) for s in c.slots]}
-                   for c in self.carried]  # fmt: skip
-        return {**super().state_dict(), "schedule": {"kind": "partial", "version": self.version, "carried": carried,
-                                                     "totals": dict(self.totals)}}  # fmt: skip
+        carried = [
+            {"item": dataclasses.asdict(c.item), "slots": [dataclasses.asdict(s) for s in c.slots]}
+            for c in self.carried
+        ]
+        return {
+            **super().state_dict(),
+            "schedule": {"kind": "partial", "version": self.version, "carried": carried, "totals": dict(self.totals)},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         own = state.get("schedule") or {"carried": [], "totals": self.totals}

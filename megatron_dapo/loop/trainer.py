@@ -22,7 +22,8 @@ from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.algo.batch import logprob_gap_stats
 from megatron_dapo.algo.sampling import DynamicSampler
-from megatron_dapo.config import ConfigError, DapoConfig, load_arch, save_config
+from megatron_dapo.config.run_config import DapoConfig, save_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
@@ -40,6 +41,7 @@ from megatron_dapo.loop.phases import make_phases
 from megatron_dapo.loop.rollout import RolloutDriver
 from megatron_dapo.loop.schedule import make_schedule
 from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
+from megatron_dapo.models.arch import load_arch
 from megatron_dapo.reward.registry import RewardScorer
 from megatron_dapo.types import Sequence
 
@@ -49,15 +51,18 @@ def prepare_model_and_engine(cfg: DapoConfig) -> None:
     ``rollout.fallback_hf`` and no sglang installed, the HF engine generates instead (said here, at start)."""
     import importlib.util
 
-    from megatron_dapo.gguf import resolve_hf_dir
+    from megatron_dapo.models.gguf import resolve_hf_dir
 
     log = (lambda s: print(f"model: {s}", flush=True)) if is_driver() else (lambda s: None)
     cfg.model.hf_init = resolve_hf_dir(cfg.model.hf_init, log)
     r = cfg.rollout
     if r.engine == "sglang" and r.fallback_hf and importlib.util.find_spec("sglang") is None:
         if is_driver():
-            print("rollout: sglang is not installed: the in-process HF engine generates instead (rollout.fallback_hf; "
-                  "`make demo-smollm` installs sglang)", flush=True)  # fmt: skip
+            print(
+                "rollout: sglang is not installed: the in-process HF engine generates instead (rollout.fallback_hf; "
+                "`make demo-smollm` installs sglang)",
+                flush=True,
+            )
         r.engine, r.weight_sync = "hf", "copy"
 
 
@@ -68,7 +73,7 @@ class Trainer:
         set_control_timeout(cfg.rollout.control_timeout_s)  # what the other ranks wait on while rank 0 works
         self.arch = load_arch(cfg.model.arch)
         if cfg.model.hf_init:  # an HF checkpoint of another architecture: an error now, not after building the model
-            from megatron_dapo.bridge.hf_config import check_hf_dir
+            from megatron_dapo.models.hf_config import check_hf_dir
 
             check_hf_dir(self.arch, cfg.model.hf_init)
         self.run_dir = Path(cfg.train.run_dir) / cfg.train.name
@@ -77,8 +82,11 @@ class Trainer:
         self.train_data, self.eval_data = build_prompt_datasets(cfg, self.tokenizer)  # fails before any compute
         cut = {name: ds.num_truncated for name, ds in {"train": self.train_data, **self.eval_data}.items()}
         if any(cut.values()) and is_driver():
-            print(f"data: prompts longer than data.max_prompt_len = {cfg.data.max_prompt_len} tokens, cut from the "
-                  f"left: {', '.join(f'{n} of {name}' for name, n in cut.items() if n)}", flush=True)  # fmt: skip
+            print(
+                f"data: prompts longer than data.max_prompt_len = {cfg.data.max_prompt_len} tokens, cut from the "
+                f"left: {', '.join(f'{n} of {name}' for name, n in cut.items() if n)}",
+                flush=True,
+            )
         self.prompts = PromptIterator(self.train_data, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         self.sampler = DynamicSampler(
             cfg.train.batch_prompts, cfg.algo.max_gen_batches, enabled=cfg.algo.dynamic_sampling
@@ -232,8 +240,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         # the schedule's state: prompt cursor, sampler counters, samples carried in flight (rank 0's is saved)
-        extra = {**self.schedule.state_dict(), "step": step, "samples_generated": self.samples_generated,
-                 "rl_seconds": self.rl_seconds}  # fmt: skip
+        extra = {
+            **self.schedule.state_dict(),
+            "step": step,
+            "samples_generated": self.samples_generated,
+            "rl_seconds": self.rl_seconds,
+        }
         self.actor.save(self.ckpt_dir / runs.checkpoint_dir_name(step), extra=extra)
         if is_driver() and self.cfg.train.keep_checkpoints:  # keep the newest train.keep_checkpoints, by step number
             for _, old in runs.checkpoints(self.ckpt_dir)[: -self.cfg.train.keep_checkpoints]:
@@ -250,9 +262,11 @@ class Trainer:
             self.save(step)
         self.stopped_early = True
         if is_driver():
-            print(f"stopped after step {step} of {self.cfg.train.steps} ({reason}); saved "
-                  f"{self.ckpt_dir / runs.checkpoint_dir_name(step)}: run again with --resume auto to continue",
-                  flush=True)  # fmt: skip
+            print(
+                f"stopped after step {step} of {self.cfg.train.steps} ({reason}); saved "
+                f"{self.ckpt_dir / runs.checkpoint_dir_name(step)}: run again with --resume auto to continue",
+                flush=True,
+            )
         return True
 
     def _resume_path(self, resume: str | None) -> Path | None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.config import ArchConfig, DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.models.arch import ArchConfig
 
 # The GEMM weights TE keeps an FP8 copy (and transpose) of: megatron-core's names in both layer specs.
 GEMM_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")

@@ -29,8 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dapo.config import ConfigError, DapoConfig, load_arch, load_config
-from megatron_dapo.memory import BF16, FP32, GiB, count_params, total_params
+from megatron_dapo.config.run_config import DapoConfig, load_config
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import load_arch
+from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, total_params
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
 
 MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
@@ -122,10 +124,13 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
     p = cfg.parallel
     export = export_plan(arch, p.tp, p.pp, cfg.model.dtype, cfg.rollout.bucket_mb << 20)
     samples = cfg.train.batch_prompts * cfg.algo.group_size
-    gather = logprob_gather_bytes(samples * cfg.rollout.sampling.max_new_tokens, dp=placement.dp, tp=p.tp, pp=p.pp,
-                                  cp=p.cp)  # fmt: skip
-    routes = [{"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster,
-               "transport": r.transport} for r in placement.routes]  # fmt: skip
+    gather = logprob_gather_bytes(
+        samples * cfg.rollout.sampling.max_new_tokens, dp=placement.dp, tp=p.tp, pp=p.pp, cp=p.cp
+    )
+    routes = [
+        {"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster, "transport": r.transport}
+        for r in placement.routes
+    ]
     concurrency = 0
     if cfg.rollout.engine == "sglang":
         from megatron_dapo.engines.sglang.capacity import per_server_concurrency
@@ -155,8 +160,12 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     # every parameter in the model's dtype: megatron-core's Float16Module casts the built model (the local spec's
     # norms are built in fp32 here: param_bytes differs by their few bytes)
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
-    weights = Term("trainer weights", dtype_bytes * b.params + fp8, stage.weights + stage.fp8_cache,
-                   f"{b.params:,} params" + (" + FP8 copy and transpose of the GEMM weights" if fp8 else ""))  # fmt: skip
+    weights = Term(
+        "trainer weights",
+        dtype_bytes * b.params + fp8,
+        stage.weights + stage.fp8_cache,
+        f"{b.params:,} params" + (" + FP8 copy and transpose of the GEMM weights" if fp8 else ""),
+    )
     grads = Term("trainer grads", FP32 * b.params, stage.grads, "fp32 main-grad buffer")
     optim = Term("trainer optimizer", 12.0 * b.params / opt_div, stage.optimizer, f"fp32 master + Adam / {opt_div}")
     acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
@@ -164,8 +173,9 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
     graphs = Term("SGLang CUDA graphs", o.cuda_graph_gb * GiB, o.cuda_graph_gb * GiB, "outside mem_fraction")
     released = Term("SGLang (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
-    engine_weights = Term("SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, r.weights,
-                          f"HF model / TP{cfg.rollout.sglang_tp}")  # fmt: skip
+    engine_weights = Term(
+        "SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, r.weights, f"HF model / TP{cfg.rollout.sglang_tp}"
+    )
     share = cfg.rollout.mem_fraction * cfg.cluster.gpu_mem_gb * GiB
     kv = Term("SGLang KV cache", share - engine_weights.rehearsed, r.share - r.weights, "mem_fraction − weights")
     bucket = Term("sync bucket + flat copy", 2.0 * sync.largest, None, "largest bucket and its flattened copy")
@@ -177,10 +187,13 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     off_grads, off_optim = zero("trainer grads", "on the host"), zero("trainer optimizer", "on the host")
     if not colocated:  # the engines live on other nodes: the trainer's GPU holds the trainer only
         train = [weights, grads, optim, acts, logits, overhead]
-        return [PhaseRow("startup", [weights, grads, optim, overhead]), PhaseRow("train", train),
-                PhaseRow("sync", [weights, grads, optim, bucket, overhead]),
-                PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, overhead]),
-                PhaseRow("export", [weights, grads, optim, export, overhead])]  # fmt: skip
+        return [
+            PhaseRow("startup", [weights, grads, optim, overhead]),
+            PhaseRow("train", train),
+            PhaseRow("sync", [weights, grads, optim, bucket, overhead]),
+            PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, overhead]),
+            PhaseRow("export", [weights, grads, optim, export, overhead]),
+        ]
     return [
         PhaseRow("startup", [weights, grads, optim, engine_weights, kv, graphs, overhead]),
         PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, overhead]),
@@ -205,8 +218,16 @@ def rehearse(
     arch = load_arch(cfg.model.arch)
     colocated = cfg.cluster.placement == "colocated"
     try:
-        placement = make_placement(nodes, gpus_per_node, p.tp, p.pp, p.cp, r.sglang_tp, colocated,
-                                   cfg.cluster.rollout_nodes if not colocated else 0)  # fmt: skip
+        placement = make_placement(
+            nodes,
+            gpus_per_node,
+            p.tp,
+            p.pp,
+            p.cp,
+            r.sglang_tp,
+            colocated,
+            cfg.cluster.rollout_nodes if not colocated else 0,
+        )
     except PlacementError as e:
         raise ConfigError(str(e)) from e
     layout = layout_memory(cfg, nodes, gpus_per_node)
@@ -239,15 +260,28 @@ def rehearse(
         for ph in cls.phases:
             if ph.rehearsed > usable:
                 top = max(ph.terms, key=lambda t: t.rehearsed)
-                failures.append(f"{cls.label}: {ph.phase} phase needs {ph.rehearsed / GiB:.1f} GiB > {usable / GiB:.1f} "
-                                f"GiB usable (largest term: {top.name} {top.rehearsed / GiB:.1f} GiB)")  # fmt: skip
+                failures.append(
+                    f"{cls.label}: {ph.phase} phase needs {ph.rehearsed / GiB:.1f} GiB > {usable / GiB:.1f} "
+                    f"GiB usable (largest term: {top.name} {top.rehearsed / GiB:.1f} GiB)"
+                )
             for t in ph.terms:
                 if t.disagrees():
-                    failures.append(f"{cls.label}: {ph.phase} phase, {t.name}: built {t.rehearsed / GiB:.3f} GiB, "
-                                    f"memory model {t.model / GiB:.3f} GiB (margin {MARGIN:.0%})")  # fmt: skip
-    return Rehearsal(recipe, nodes, gpus_per_node, placement.world, usable,
-                     sorted(classes.values(), key=lambda c: (c.stage, c.role)), sync, failures,
-                     time.monotonic() - t0, layout.label())  # fmt: skip
+                    failures.append(
+                        f"{cls.label}: {ph.phase} phase, {t.name}: built {t.rehearsed / GiB:.3f} GiB, "
+                        f"memory model {t.model / GiB:.3f} GiB (margin {MARGIN:.0%})"
+                    )
+    return Rehearsal(
+        recipe,
+        nodes,
+        gpus_per_node,
+        placement.world,
+        usable,
+        sorted(classes.values(), key=lambda c: (c.stage, c.role)),
+        sync,
+        failures,
+        time.monotonic() - t0,
+        layout.label(),
+    )
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -256,19 +290,27 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def render(result: Rehearsal) -> str:
     gib = GiB
-    lines = [f"rehearsal of {result.recipe or 'the config'}: {result.world} trainer ranks on {result.nodes} nodes × "
-             f"{result.gpus_per_node} GPUs, {result.layout_label}; built in {result.seconds:.0f} s"]  # fmt: skip
+    lines = [
+        f"rehearsal of {result.recipe or 'the config'}: {result.world} trainer ranks on {result.nodes} nodes × "
+        f"{result.gpus_per_node} GPUs, {result.layout_label}; built in {result.seconds:.0f} s"
+    ]
     s = result.sync
-    lines.append(f"weight sync: {s.export.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {s.export.buckets} buckets "
-                 f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines")  # fmt: skip
+    lines.append(
+        f"weight sync: {s.export.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {s.export.buckets} buckets "
+        f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines"
+    )
     g = s.gather
     lines.append(f"{s.export.describe()}")
     if s.concurrency:
-        lines.append(f"rollout: each of the {len(s.routes)} engines keeps up to {s.concurrency} requests in flight "
-                     "(rollout.max_concurrency, or less where a server reports a smaller max_running_requests)")  # fmt: skip
-    lines.append(f"old-logprob gather (every response at full length): 0 GiB on the GPUs; host {g.driver / gib:.2f} GiB "
-                 f"on rank 0, {g.share / gib:.2f} GiB on the others (all_gather_object on the default group held "
-                 f"{g.replaced_device / gib:.1f} GiB on every GPU)")  # fmt: skip
+        lines.append(
+            f"rollout: each of the {len(s.routes)} engines keeps up to {s.concurrency} requests in flight "
+            "(rollout.max_concurrency, or less where a server reports a smaller max_running_requests)"
+        )
+    lines.append(
+        f"old-logprob gather (every response at full length): 0 GiB on the GPUs; host {g.driver / gib:.2f} GiB "
+        f"on rank 0, {g.share / gib:.2f} GiB on the others (all_gather_object on the default group held "
+        f"{g.replaced_device / gib:.1f} GiB on every GPU)"
+    )
     lines.append("")
     lines.append("| rank class | ranks | params per rank | " + " | ".join(PHASES) + " |")
     lines.append("|---|---|---:|" + "---:|" * len(PHASES))
@@ -276,8 +318,10 @@ def render(result: Rehearsal) -> str:
         by = {ph.phase: ph for ph in cls.phases}
         cells = [f"{by[ph].rehearsed / gib:.1f} / {by[ph].model / gib:.1f}" if ph in by else "-" for ph in PHASES]
         lines.append(f"| {cls.label} | {_ranks_text(cls.ranks)} | {cls.build.params:,} | " + " | ".join(cells) + " |")
-    lines.append(f"\nGiB per GPU, built / memory model; usable {result.usable / gib:.1f} GiB. Terms of the heaviest phase "
-                 "of each class:")  # fmt: skip
+    lines.append(
+        f"\nGiB per GPU, built / memory model; usable {result.usable / gib:.1f} GiB. Terms of the heaviest phase "
+        "of each class:"
+    )
     for cls in result.classes:
         ph = max(cls.phases, key=lambda x: x.rehearsed)
         terms = ", ".join(f"{t.name} {t.rehearsed / gib:.2f}" for t in ph.terms if t.rehearsed)
@@ -289,16 +333,38 @@ def render(result: Rehearsal) -> str:
 
 def as_dict(result: Rehearsal) -> dict:
     return {
-        "recipe": result.recipe, "nodes": result.nodes, "gpus_per_node": result.gpus_per_node, "world": result.world,
-        "ok": result.ok, "failures": result.failures, "seconds": result.seconds,
-        "sync": {"export": dataclasses.asdict(result.sync.export), "gather": dataclasses.asdict(result.sync.gather),
-                 "routes": result.sync.routes, "concurrency_per_server": result.sync.concurrency},
-        "classes": [{"stage": c.stage, "role": c.role, "ranks": c.ranks, "params": c.build.params,
-                     "param_bytes": c.build.param_bytes,
-                     "phases": {ph.phase: {"rehearsed": ph.rehearsed, "model": ph.model,
-                                           "terms": {t.name: [t.rehearsed, t.model] for t in ph.terms}}
-                                for ph in c.phases}} for c in result.classes],
-    }  # fmt: skip
+        "recipe": result.recipe,
+        "nodes": result.nodes,
+        "gpus_per_node": result.gpus_per_node,
+        "world": result.world,
+        "ok": result.ok,
+        "failures": result.failures,
+        "seconds": result.seconds,
+        "sync": {
+            "export": dataclasses.asdict(result.sync.export),
+            "gather": dataclasses.asdict(result.sync.gather),
+            "routes": result.sync.routes,
+            "concurrency_per_server": result.sync.concurrency,
+        },
+        "classes": [
+            {
+                "stage": c.stage,
+                "role": c.role,
+                "ranks": c.ranks,
+                "params": c.build.params,
+                "param_bytes": c.build.param_bytes,
+                "phases": {
+                    ph.phase: {
+                        "rehearsed": ph.rehearsed,
+                        "model": ph.model,
+                        "terms": {t.name: [t.rehearsed, t.model] for t in ph.terms},
+                    }
+                    for ph in c.phases
+                },
+            }
+            for c in result.classes
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,8 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, help="default: cluster.nodes")
     ap.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    ap.add_argument("--every-rank", action="store_true", help="build every rank's model (default: one per TP/CP/PP "
-                    "position, reused for its data-parallel replicas)")  # fmt: skip
+    ap.add_argument(
+        "--every-rank",
+        action="store_true",
+        help="build every rank's model (default: one per TP/CP/PP position, reused for its data-parallel replicas)",
+    )
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -329,7 +398,11 @@ def _progress_bar():
         width = 40
         filled = width * done // total
         end = "\n" if done == total else ""
-        print(f"\rbuilding ranks [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"\rbuilding ranks [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
     return show

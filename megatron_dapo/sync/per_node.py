@@ -83,8 +83,11 @@ class GpuGather:
     def blobs(self, items: list, key: str) -> list[str]:
         """The poster: the gathered serializations in TP-rank order; WeightSyncError naming a sender that failed
         or whose bucket differs from the poster's."""
-        bad = [f"rank {r}: {it if isinstance(it, str) else 'a different bucket (names, shapes, dtypes)'}"
-               for r, it in zip(self.senders, items) if not isinstance(it, tuple) or it[0] != key]  # fmt: skip
+        bad = [
+            f"rank {r}: {it if isinstance(it, str) else 'a different bucket (names, shapes, dtypes)'}"
+            for r, it in zip(self.senders, items)
+            if not isinstance(it, tuple) or it[0] != key
+        ]
         if bad:
             raise WeightSyncError(f"per-GPU serializations for TP ranks of {self.senders}: " + "; ".join(bad))
         return [blob for _, blob in items]

@@ -13,7 +13,7 @@ import torch
 
 
 def make_cfg(**over):
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     base = {
         "data.synthetic": "add2",

@@ -45,9 +45,9 @@ def check_case(hf_dir: Path, ckpt: str, save: str, tp: int, pp: int) -> list[str
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.convert import read_meta
     from megatron_dapo.bridge.export import export_hf_tensors
-    from megatron_dapo.bridge.mappings import table_for
+    from megatron_dapo.models.registry import table_for
     from megatron_dapo.bridge.reshard import split_model
-    from megatron_dapo.config import DapoConfig
+    from megatron_dapo.config.run_config import DapoConfig
 
     arch, _ = read_meta(ckpt)
     cfg = DapoConfig()

@@ -35,7 +35,7 @@ def main(out: str, mode: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.types import Sequence
     from megatron_dapo.actor.shares import RemoteSequence
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.loop.control import scatter_batch
 
     cfg = load_config("demo_cpu", ["parallel.tp=1", "train.batch_prompts=8", "train.mini_batch_prompts=4",

@@ -14,7 +14,7 @@ def main(out: Path) -> None:
 
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.export import export_hf_tensors, export_plan, save_hf_checkpoint
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     cfg = load_config("demo_cpu", ["parallel.tp=2", "parallel.pp=2"])
     actor = MegatronActor(cfg)

@@ -21,7 +21,7 @@ apply_cpu_shims()
 def main(out: str, arch_json: str, tp: int) -> None:
     from megatron.core import parallel_state
 
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -45,8 +45,8 @@ def count_stages(a, tp: int) -> dict:
     from megatron.core.models.gpt import GPTModel
 
     from megatron_dapo.actor.provider import layer_spec, transformer_config
-    from megatron_dapo.config import ModelConfig, ParallelConfig
-    from megatron_dapo.plan import padded_vocab_size
+    from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
+    from megatron_dapo.models.arch import padded_vocab_size
 
     counts = {}
     for pp in (1, 2, 4):

@@ -24,7 +24,7 @@ def measure(arch: str, tp: int, pp: int) -> list[dict]:
 
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.types import Sequence
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     cfg = load_config("demo_cpu", [f"model.arch={arch}", f"parallel.tp={tp}", f"parallel.pp={pp}"])
     actor = MegatronActor(cfg)

@@ -31,7 +31,7 @@ def main(out: str, hf_dir: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.types import Sequence
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.loop.control import broadcast
     from megatron_dapo.types import SamplingParams, TokenizerInfo
     from megatron_dapo.engines.hf import HFEngine

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 
 def main(out: str, mode: str, default_timeout: float, start_s: float) -> None:
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.loop import rollout as driver
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=default_timeout))  # NCCL's role on a GPU

@@ -15,7 +15,7 @@ def main(out: str) -> None:
     from megatron_dapo.actor.actor import _sequence_parallel_head
     from megatron_dapo.actor.dist import init_distributed
     from megatron_dapo.actor.logprobs import token_logprobs
-    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.config.run_config import ParallelConfig
 
     init_distributed(ParallelConfig(tp=2))
     rank, s, h, vocab = dist.get_rank(), 8, 16, 48

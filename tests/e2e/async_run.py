@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.loop.trainer import Trainer
 
 

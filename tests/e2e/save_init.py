@@ -1,7 +1,7 @@
 """Write a randomly initialised actor checkpoint: ``python -c "...main([DIR, key=value...])"`` (used by the eval test)."""
 
 from megatron_dapo.actor.actor import MegatronActor
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 
 
 def main(argv: list[str]) -> None:

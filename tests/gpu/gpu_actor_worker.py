@@ -42,7 +42,7 @@ def _cuda_bytes() -> int:
 
 def main(scenario: str, out: str, *overrides: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     kv = [o for o in overrides if not o.startswith(("save=", "load="))]
     paths = dict(o.split("=", 1) for o in overrides if o.startswith(("save=", "load=")))

@@ -129,7 +129,7 @@ def test_tp2_sequence_parallel_equals_one_gpu(tmp_path, fp8):
 
 @pytest.mark.skipif(not _te(), reason="needs Transformer Engine (the local spec attends densely)")
 def test_20k_packed_micro_batch_within_predicted_memory(tmp_path):
-    from megatron_dapo.plan import plan
+    from megatron_dapo.planning.planner import plan
 
     r = _run(tmp_path, "long", 1, "long", ARCH, "model.dtype=bf16", "model.recompute=full")
     # the planner's training-phase memory for the same job on one GPU (no rollout share, no framework overhead)

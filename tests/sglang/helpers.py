@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.config import ArchConfig
 from megatron_dapo.engines.sglang.client import SGLangEngine
 from megatron_dapo.engines.sglang.server import SGLangServer
+from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.types import TokenizerInfo
 from tests.helpers import REPO
 
@@ -26,7 +26,7 @@ def random_weights(arch: ArchConfig, seed: int) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors of a random model (no lm_head: tied), scaled like a trained one."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.bridge.hf_config import transformers_config
+    from megatron_dapo.models.hf_config import transformers_config
 
     names = {n: t.shape for n, t in AutoModelForCausalLM.from_config(transformers_config(arch)).state_dict().items()}
     g = torch.Generator().manual_seed(seed)
@@ -46,7 +46,7 @@ def random_weights(arch: ArchConfig, seed: int) -> dict[str, torch.Tensor]:
 def save_model(directory: Path, arch: ArchConfig, weights: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
-    from megatron_dapo.bridge.hf_config import hf_from_arch
+    from megatron_dapo.models.hf_config import hf_from_arch
 
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
@@ -77,7 +77,7 @@ def hf_logprobs(weights: dict[str, torch.Tensor], samples, temperature: float = 
     """log_softmax(logits / temperature) of each sample's response tokens from transformers, in bf16 like the server."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.bridge.hf_config import transformers_config
+    from megatron_dapo.models.hf_config import transformers_config
 
     model = AutoModelForCausalLM.from_config(transformers_config(arch, "bfloat16")).to(device, torch.bfloat16).eval()
     model.load_state_dict({k: v.to(device, torch.bfloat16) for k, v in weights.items()}, strict=False)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_dapo.algo.sampling import DynamicSampler
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.data.dataset import PromptItem, PromptIterator
 from megatron_dapo.loop.schedule import PartialSchedule
 from megatron_dapo.types import GenRequest, SamplingParams, TokenizerInfo

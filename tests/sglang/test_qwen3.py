@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from megatron_dapo.config import ArchConfig
 from megatron_dapo.engines.sglang.auth import API_KEY_ENV, api_key
 from megatron_dapo.engines.sglang.sync import TensorSync
+from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.types import SamplingParams, WeightSyncError
 from tests.e2e.test_trainer import BASE, ENV, metrics
 from tests.helpers import REPO

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.engines.sglang.server import ServerRequestError, http_call
 from megatron_dapo.engines.sglang.sync import DiskSync, DistributedSync, TensorSync
 from megatron_dapo.loop.rollout import make_weight_sync

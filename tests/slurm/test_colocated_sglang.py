@@ -36,7 +36,7 @@ EVENTS = {"/generate": "generate", "/release_memory_occupation": "release", "/re
 def _hf_init(out: Path) -> None:
     """The demo model's initial weights + its char tokenizer as an HF directory (what a user's model.hf_init is)."""
     code = (
-        "import sys; from megatron_dapo.actor.actor import MegatronActor; from megatron_dapo.config import "
+        "import sys; from megatron_dapo.actor.actor import MegatronActor; from megatron_dapo.config.run_config import "
         "load_config; from megatron_dapo.bridge.export import save_hf_checkpoint; from megatron_dapo.data.tokenizer "
         "import load_tokenizer; cfg = load_config('demo_cpu', []); a = MegatronActor(cfg); "
         "save_hf_checkpoint(a.model, a.arch, sys.argv[1], load_tokenizer(None))"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.launch.slurm import (
     LaunchError,
     LaunchOptions,

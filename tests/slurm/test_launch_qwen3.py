@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from tests.helpers import REPO
 from tests.slurm.test_launch_plan import NO_SLURM_ENV
 

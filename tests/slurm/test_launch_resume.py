@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import load_arch, load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.launch.health import health_timeout_s
 from megatron_dapo.launch.slurm import LaunchError, LaunchOptions, Supervisor, build_plan
-from megatron_dapo.plan import total_params
+from megatron_dapo.models.arch import load_arch
+from megatron_dapo.models.memory import total_params
 from megatron_dapo.ports import JobPorts, find_collisions
 from megatron_dapo.runs import EXIT_RESUMABLE
 from tests.slurm.conftest import HERE, TEST_RECIPE_32B, free_port

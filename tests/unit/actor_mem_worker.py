@@ -23,7 +23,7 @@ from logprob_mem_worker import _reset_high_water_mark, _Sampler, _status_kb  # n
 
 
 def _config(spec: dict):
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     rows, length, prompt = spec["rows"], spec["len"], spec["prompt"]
     overrides = [
@@ -56,7 +56,7 @@ def saved_bytes_per_layer(spec: dict) -> float:
     import dataclasses
 
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
 
     cfg, per_token = _config(spec), []
     for layers in (1, 2):
@@ -80,7 +80,7 @@ def saved_bytes_per_layer(spec: dict) -> float:
 def main(spec: dict) -> None:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.dist import init_distributed
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
 
     torch.set_num_threads(1)
     rows, length = spec["rows"], spec["len"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.bridge.hf_config import transformers_config
-from megatron_dapo.config import ArchConfig
+from megatron_dapo.models.arch import ArchConfig
+from megatron_dapo.models.hf_config import transformers_config
 
 # Random tiny Qwen2: QKV bias, GQA (4 heads / 2 groups), untied; tiny Llama: tied embeddings, GQA, no bias.
 QWEN2_TINY = ArchConfig(

@@ -20,8 +20,8 @@ from logprob_mem_worker import _reset_high_water_mark, _Sampler, _status_kb  # n
 def main(spec: dict, out: Path) -> None:
     from megatron_dapo.bridge import export
     from megatron_dapo.bridge.convert import DTYPES
-    from megatron_dapo.bridge.mappings import table_for
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
+    from megatron_dapo.models.registry import table_for
 
     dtype = DTYPES[spec.get("dtype", "fp32")]
     kw = {"max_shard_size": spec["max_shard_size"]} if "max_shard_size" in spec else {}

@@ -41,7 +41,7 @@ class _Sampler(threading.Thread):
 def main(seq_len: int, chunk: int) -> None:
     from megatron_dapo.actor.dist import init_distributed
     from megatron_dapo.actor.logprobs import token_logprobs
-    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.config.run_config import ParallelConfig
 
     init_distributed(ParallelConfig())
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 def actor():
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.dist import teardown
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     a = MegatronActor(
         load_config("demo_cpu", ["train.batch_prompts=2", "train.mini_batch_prompts=2", "algo.group_size=2"])

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.loop.async_schedule import AsyncSchedule
 from megatron_dapo.loop.schedule import SyncSchedule
 from megatron_dapo.types import GenRequest, sample_seed

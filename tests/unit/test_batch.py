@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_dapo.algo.batch import Group, group_from_samples, logprob_gap_stats, shaped_rewards, to_sequences
-from megatron_dapo.config import DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.types import Sample
 
 

@@ -14,7 +14,7 @@ from bridge_helpers import LLAMA_TINY, QWEN2_TINY, save_hf
 from safetensors.torch import load_file, save_file
 
 from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, parse_size, read_meta
-from megatron_dapo.config import ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,6 @@ import pytest
 import torch
 from bridge_helpers import LLAMA_TINY, QWEN2_TINY, make_hf_model
 
-from megatron_dapo.bridge.hf_config import family_of, hf_from_arch
-from megatron_dapo.bridge.mappings import canonical_name, checkpoint_key, spec_name, table_for
 from megatron_dapo.bridge.reshard import (
     gather_model,
     global_layer,
@@ -19,7 +17,10 @@ from megatron_dapo.bridge.reshard import (
     split_tp,
     stage_of_layer,
 )
-from megatron_dapo.config import ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.hf_config import hf_from_arch
+from megatron_dapo.models.mapping import canonical_name, checkpoint_key, spec_name
+from megatron_dapo.models.registry import family_of_hf, table_for
 
 
 @pytest.fixture(scope="module", params=[QWEN2_TINY, LLAMA_TINY], ids=lambda a: a.name)
@@ -38,9 +39,9 @@ def reference_qkv(q, k, v, nq, nkv, hd):
 def test_tables_are_selected_by_config_family():
     for arch in (QWEN2_TINY, LLAMA_TINY):
         cfg = hf_from_arch(arch)
-        assert table_for(family_of(cfg)).family == arch.family
+        assert family_of_hf(cfg).name == arch.family
     with pytest.raises(ConfigError, match="MistralForCausalLM"):
-        family_of({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+        family_of_hf({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
 
 
 def test_hf_to_megatron_layout_matches_reference(model):

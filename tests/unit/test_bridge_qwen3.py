@@ -13,12 +13,14 @@ import torch
 from bridge_helpers import QWEN3_TINY, QWEN3_TINY_TIED, make_hf_model, save_hf
 from test_bridge_convert import tensors
 
-from megatron_dapo.arch import load_arch
 from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, read_meta
-from megatron_dapo.bridge.hf_config import arch_from_hf, family_of, hf_from_arch
-from megatron_dapo.bridge.mappings import canonical_name, spec_name, table_for
-from megatron_dapo.config import ArchConfig, ConfigError, ModelConfig, ParallelConfig, compare_arch
-from megatron_dapo.memory import count_params
+from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, compare_arch, load_arch
+from megatron_dapo.models.hf_config import arch_from_hf, hf_from_arch
+from megatron_dapo.models.mapping import canonical_name, spec_name
+from megatron_dapo.models.memory import count_params
+from megatron_dapo.models.registry import family_of_hf, table_for
 
 ARCHES = [QWEN3_TINY, QWEN3_TINY_TIED]
 
@@ -140,7 +142,7 @@ def test_qwen3_moe_is_refused_naming_the_family_and_what_is_missing(tmp_path):
     moe = {**QWEN3_32B_HF, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128}
     for cfg in (moe, {**moe, "model_type": None}, {**moe, "architectures": None}):
         with pytest.raises(ConfigError, match="Qwen3-MoE .*expert parallelism.*router"):
-            family_of(cfg)
+            family_of_hf(cfg)
     path = tmp_path / "qwen3-30b-a3b.yaml"
     path.write_text("name: qwen3-30b-a3b\nfamily: qwen3_moe\nnum_layers: 48\n")
     with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: family = 'qwen3_moe': Qwen3-MoE .*not supported"):
@@ -182,7 +184,7 @@ def test_local_activations_of_a_qwen3_are_what_autograd_saves():
     Qwen3 layer (head_dim 96 != 256 / 4, bf16), as tests/unit/test_memory_measured.py measures the others."""
     from test_memory_measured import PROBE, _worker
 
-    from megatron_dapo.memory import local_activation_bytes_per_token
+    from megatron_dapo.models.memory import local_activation_bytes_per_token
 
     arch = {**PROBE, "family": "qwen3", "qk_layernorm": True, "kv_channels": 96}
     saved = _worker({"arch": arch, "rows": 8, "len": 128, "prompt": 16, "dtype": "bf16", "saved": True})
@@ -192,7 +194,7 @@ def test_local_activations_of_a_qwen3_are_what_autograd_saves():
 
 @pytest.mark.parametrize("model,nodes", [("qwen3-0.6b", 1), ("qwen3-8b", 2), ("qwen3-32b", 16)])
 def test_the_planner_fits_each_qwen3(model, nodes):
-    from megatron_dapo.plan import choose, plan
+    from megatron_dapo.planning.planner import choose, plan
 
     best = choose(plan(model, max_prompt=2048, max_response=20480, nodes=nodes, gpus_per_node=8, gpu_mem_gb=80))
     assert best.feasible and 8 % best.tp == 0 and best.model == model  # TP within the 8 KV heads

@@ -15,7 +15,7 @@ import errno, json, sys
 from pathlib import Path
 from megatron.core import dist_checkpointing
 from megatron_dapo.actor.actor import MegatronActor
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.runs import CheckpointError, checkpoints
 
 if __name__ == "__main__":

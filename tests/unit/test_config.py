@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import RECIPES_DIR, ConfigError, load_arch, load_config
+from megatron_dapo.config.run_config import RECIPES_DIR, load_config
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import load_arch
 
 
 def _recipe(tmp_path: Path, text: str) -> Path:
@@ -120,7 +122,8 @@ def test_overrides_the_run_uses_and_recipe_keys_are_accepted():
 
 
 def test_parallel_sizes_that_do_not_divide_name_the_key():
-    from megatron_dapo.config import ParallelConfig, check_divisible, check_world_divides
+    from megatron_dapo.config.run_config import ParallelConfig, check_world_divides
+    from megatron_dapo.models.arch import check_divisible
 
     tiny = load_arch("tiny")  # 2 layers, 2 KV groups, FFN 512
     check_divisible(tiny, 2, 2, prefix="parallel.")

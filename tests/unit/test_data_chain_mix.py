@@ -4,7 +4,8 @@ recipe's no-penalty region with margin, a warm start that mixes the styles half 
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.chain_mix import (
     DATA_SOURCE,
     held_out_rows,

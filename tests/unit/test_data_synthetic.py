@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_dapo.config import load_arch
 from megatron_dapo.data.dataset import PromptDataset, check_row, load_parquet_rows
 from megatron_dapo.data.synthetic import (
     DATA_SOURCE,
@@ -21,6 +20,7 @@ from megatron_dapo.data.synthetic import (
     write_add2_parquet,
 )
 from megatron_dapo.data.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer, load_tokenizer
+from megatron_dapo.models.arch import load_arch
 from megatron_dapo.reward.math_dapo import compute_score
 
 PROBLEM = re.compile(r"(\d\d)\+(\d\d)")
@@ -139,7 +139,7 @@ def test_make_datasets_with_the_char_tokenizer() -> None:
 
 
 def test_build_prompt_datasets_from_config(tmp_path: Path) -> None:
-    from megatron_dapo.config import DapoConfig, DataConfig, EvalConfig, TrainConfig
+    from megatron_dapo.config.run_config import DapoConfig, DataConfig, EvalConfig, TrainConfig
     from megatron_dapo.data.sources import build_prompt_datasets
 
     _, eval_path = write_add2_parquet(tmp_path, train_size=10, eval_size=6, seed=9)

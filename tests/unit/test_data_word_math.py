@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.word_math import eval_rows, train_rows
 from megatron_dapo.metrics import eval_metrics
 from megatron_dapo.reward.math_dapo import compute_score
@@ -63,7 +64,7 @@ def test_fallback_to_hf_engine_only_without_sglang(monkeypatch, capsys):
 
 
 def test_hf_init_reference():
-    from megatron_dapo.gguf import resolve_hf_dir
+    from megatron_dapo.models.gguf import resolve_hf_dir
 
     assert resolve_hf_dir(None) is None and resolve_hf_dir("/a/dir") == "/a/dir"
     with pytest.raises(FileNotFoundError, match="gguf:smollm2"):

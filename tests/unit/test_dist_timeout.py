@@ -8,7 +8,7 @@ import datetime
 import torch.distributed as dist
 
 from megatron_dapo.actor.dist import init_distributed
-from megatron_dapo.config import ParallelConfig
+from megatron_dapo.config.run_config import ParallelConfig
 
 
 def test_model_parallel_groups_take_the_collective_timeout(monkeypatch):

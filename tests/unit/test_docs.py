@@ -267,7 +267,7 @@ def test_shown_dapo_command_runs(form, why):
 
 @pytest.mark.parametrize("shown", RECIPES, ids=[f"{s.page}: dapo {' '.join(s.args)}"[:100] for s in RECIPES])
 def test_shown_recipe_and_overrides_load(shown):
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     recipe, overrides = shown.recipe()
     load_config(recipe, overrides)  # raises ConfigError naming the key or the recipe

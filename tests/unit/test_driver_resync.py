@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.loop import rollout as driver_mod
 from megatron_dapo.loop.rollout import RolloutDriver
 from megatron_dapo.types import RolloutError

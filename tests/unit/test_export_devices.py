@@ -8,8 +8,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_dapo.bridge import export
-from megatron_dapo.bridge.mappings import table_for
-from megatron_dapo.config import ArchConfig
+from megatron_dapo.models.arch import ArchConfig
+from megatron_dapo.models.registry import table_for
 
 ARCH = ArchConfig(name="t", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_query_groups=2, vocab_size=40, tie_embeddings=False)  # fmt: skip

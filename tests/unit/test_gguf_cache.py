@@ -1,4 +1,4 @@
-"""GGUF → HF directory, once (``megatron_dapo/gguf.py``, ``tools/gguf_to_hf.py``): built the first time,
+"""GGUF → HF directory, once (``megatron_dapo/models/gguf.py``, ``tools/gguf_to_hf.py``): built the first time,
 found the next, never left half-written. The dequantization itself runs on the real SmolLM2 GGUF in
 ``tests/dist/test_bridge_smollm.py``; here it is replaced by a stub that writes what a build writes."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_dapo import gguf as G
+from megatron_dapo.models import gguf as G
 from tests.helpers import REPO
 
 

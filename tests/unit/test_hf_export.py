@@ -15,8 +15,8 @@ import torch
 
 from megatron_dapo.bridge import export
 from megatron_dapo.bridge.convert import read_st_header
-from megatron_dapo.bridge.mappings import table_for
-from megatron_dapo.config import ArchConfig, load_arch
+from megatron_dapo.models.arch import ArchConfig, load_arch
+from megatron_dapo.models.registry import table_for
 from tests.helpers import REPO, make_char_hf_tokenizer, repo_pythonpath
 
 WORKER = Path(__file__).with_name("export_mem_worker.py")

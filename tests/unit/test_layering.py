@@ -9,12 +9,12 @@ from tests.unit.test_import_graph import import_graph
 # lowest first; each entry a top-level module or package of megatron_dapo
 LAYERS = [
     ["types", "versions"],  # the data that flows; nothing of ours
-    ["typed_yaml", "arch", "config"],  # typed config, architectures
-    ["memory", "gguf", "runs", "metrics", "report", "ports"],  # facts every layer above may ask
+    ["config"],  # typed config: YAML, dotted overrides, validation
+    ["models", "runs", "metrics", "report", "ports"],  # architectures and families, memory model; run folders, metrics
     ["algo", "data", "reward"],  # pure functions, datasets, verifiers
     ["actor", "bridge", "engines", "sync"],  # the trainer, the weights' way to the engines, the engines
     ["loop"],  # trainer, schedules, phases, the control plane
-    ["plan", "plan_cli", "planning", "launch"],  # planning a job, launching it
+    ["planning", "launch"],  # planning a job, launching it
     ["cli"],
 ]
 

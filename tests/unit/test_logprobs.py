@@ -16,7 +16,7 @@ WORKER = Path(__file__).with_name("logprob_mem_worker.py")
 @pytest.fixture(scope="module")
 def single_rank():
     from megatron_dapo.actor.dist import init_distributed, teardown
-    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.config.run_config import ParallelConfig
 
     init_distributed(ParallelConfig())
     yield

@@ -9,7 +9,8 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dapo.actor.lr_schedule import make_scheduler
-from megatron_dapo.config import ConfigError, TrainConfig, load_config
+from megatron_dapo.config.run_config import TrainConfig, load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 
 LR, MIN_LR = 1e-3, 1e-4
 

@@ -1,4 +1,4 @@
-"""The actor's memory model (``megatron_dapo/memory.py``) against measurements of the real actor on CPU.
+"""The actor's memory model (``megatron_dapo/models/memory.py``) against measurements of the real actor on CPU.
 
 1. The local spec's activations per layer and token, term by term: ``local_activation_bytes_per_token`` equals what
    autograd saves for the backward pass in one layer (counted by ``saved_tensors_hooks``), for GQA, MHA and bf16.
@@ -45,8 +45,8 @@ def _worker(spec: dict) -> dict:
     ids=["gqa-fp32", "mha-fp32", "gqa8-bf16"],
 )
 def test_local_activations_are_what_autograd_saves(arch_changes, dtype):
-    from megatron_dapo.config import ArchConfig
-    from megatron_dapo.memory import local_activation_bytes_per_token
+    from megatron_dapo.models.arch import ArchConfig
+    from megatron_dapo.models.memory import local_activation_bytes_per_token
 
     arch = {**PROBE, **arch_changes}
     rows, length = 8, 128
@@ -65,8 +65,8 @@ SHAPES = [  # (layers, rows, row length, dtype)
 
 @pytest.mark.parametrize("layers,rows,length,dtype", SHAPES, ids=[f"{n}L-{b}x{t}-{d}" for n, b, t, d in SHAPES])
 def test_predicted_peak_matches_the_measured_train_step(layers, rows, length, dtype):
-    from megatron_dapo.config import ArchConfig
-    from megatron_dapo.memory import BASE_BYTES, actor_memory
+    from megatron_dapo.models.arch import ArchConfig
+    from megatron_dapo.models.memory import BASE_BYTES, actor_memory
 
     arch = {**PROBE, "num_layers": layers}
     out = _worker({"arch": arch, "rows": rows, "len": length, "prompt": 16, "dtype": dtype})
@@ -82,7 +82,8 @@ def test_predicted_peak_matches_the_measured_train_step(layers, rows, length, dt
 def test_shared_prompt_rows_bound_the_attention_of_the_budget():
     """With shared prompts a row holds a prompt and its whole group: the budget is sized for that row's attention."""
     from megatron_dapo.actor.actor import micro_batch_budget
-    from megatron_dapo.config import load_arch, load_config
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.models.arch import load_arch
 
     arch = dataclasses.replace(load_arch("smollm2-135m"), num_layers=2)
     over = ["data.max_prompt_len=256", "rollout.sampling.max_new_tokens=512", "algo.group_size=16",

@@ -9,8 +9,10 @@ import psutil
 import pytest
 
 from megatron_dapo.actor.actor import micro_batch_budget
-from megatron_dapo.config import ConfigError, load_arch, load_config
-from megatron_dapo.memory import GiB, actor_memory
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import load_arch
+from megatron_dapo.models.memory import GiB, actor_memory
 
 KW = dict(dtype_bytes=4, tp=1, pp=1, dp=1, layout="padded", recompute="none", distributed_optimizer=False,
           logprob_chunk_tokens=None, engine_bytes_per_param=4)  # fmt: skip

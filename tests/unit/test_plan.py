@@ -6,18 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import ArchConfig, ConfigError, load_arch, load_config
-from megatron_dapo.plan import (
-    GiB,
-    NoFeasiblePlan,
-    activation_bytes_per_token,
-    choose,
-    count_params,
-    padded_vocab_size,
-    plan,
-    total_params,
-)
-from megatron_dapo.plan_cli import main
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
+from megatron_dapo.models.memory import GiB, activation_bytes_per_token, count_params, total_params
+from megatron_dapo.planning.cli import main
+from megatron_dapo.planning.planner import NoFeasiblePlan, choose, plan
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).resolve().parents[1] / "dist" / "param_count_worker.py"
@@ -274,7 +268,7 @@ def test_cli(capsys):
 def test_layout_phases_term_by_term():
     """A chosen layout (dapo_32b on 16 nodes): the rollout phase holds the trainer's weights (grads and optimizer on
     the host) + SGLang's mem_fraction; the train phase the trainer's peak + a released engine; `explain` shows both."""
-    from megatron_dapo.plan import evaluate_layout
+    from megatron_dapo.planning.planner import evaluate_layout
 
     p = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
                         sglang_tp=4, rollout_mem_fraction=0.66)  # fmt: skip
@@ -301,7 +295,7 @@ def test_startup_peak_is_modelled_and_refused():
     the DDP grad buffers, the optimizer states a resumed run loaded) beside SGLang's whole mem_fraction and its CUDA
     graphs. The 32B sbatch's layout with FP8 at mem_fraction 0.66 passes the train and rollout phases but not this one;
     the shipped mem_fraction fits all three."""
-    from megatron_dapo.plan import evaluate_layout
+    from megatron_dapo.planning.planner import evaluate_layout
 
     def layout(fraction):
         return evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,

@@ -27,7 +27,7 @@ RESPONSES = [(" Answer: 52", 1.0), (" Answer: 52\n52", 1.0), ("61", -1.0), ("9="
 
 
 def _cfg(*extra):
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     return load_config("demo_cpu", [
         "train.batch_prompts=1", "train.mini_batch_prompts=1", "algo.group_size=4", f"train.lr={LR}",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.launch.preflight import FIX_ENV, Facts, PreflightError, check, needs_for, probe, train_preflight
 from megatron_dapo.versions import MCORE_RANGE
 from tests.helpers import fake_allocation_srun
@@ -98,7 +98,7 @@ def test_the_tensor_sync_reach_is_checked_on_rank_0_outside_dapo_launch():
 
 
 def test_preflight_errors_are_config_errors():
-    from megatron_dapo.config import ConfigError
+    from megatron_dapo.config.typed_yaml import ConfigError
 
     assert issubclass(PreflightError, ConfigError)
 

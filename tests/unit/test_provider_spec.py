@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_dapo.actor import provider
-from megatron_dapo.config import ConfigError, ModelConfig
+from megatron_dapo.config.run_config import ModelConfig
+from megatron_dapo.config.typed_yaml import ConfigError
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """What docs/guides/recipes-and-config.md says a recipe is: the recipes load with those values, and differ from each other only there."""
 
-from megatron_dapo.config import config_to_dict, load_config
+from megatron_dapo.config.run_config import config_to_dict, load_config
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from megatron_dapo.config import load_arch, load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.launch.placement import Placement
-from megatron_dapo.memory import GiB, count_params
+from megatron_dapo.models.arch import load_arch
+from megatron_dapo.models.memory import GiB, count_params
 from megatron_dapo.planning import rehearsal
 from megatron_dapo.planning.rehearsal import PHASES, rehearse
 
@@ -88,7 +89,7 @@ def test_planner_count_off_by_one_fails(monkeypatch):
 
 
 def test_memory_model_disagreement_fails_naming_phase_and_term(monkeypatch):
-    import megatron_dapo.plan as plan
+    import megatron_dapo.planning.planner as plan
 
     real = plan.count_params
     monkeypatch.setattr(plan, "count_params", lambda *a, **k: int(real(*a, **k) * 1.05))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron_dapo.config import DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.engines.base import RolloutEngine, check_logprob_gap, logprob_gap
 from megatron_dapo.types import LogprobGapError, Sample, SamplingParams, TokenizerInfo, group_samples, sample_seed
 from tests.helpers import repo_pythonpath
@@ -85,7 +85,7 @@ def test_group_samples_and_protocol():
         for method in ("generate", "generate_stream", "update_weights", "abort", "sleep", "wake", "health"):
             assert callable(getattr(cls, method)), f"{cls.__name__}.{method}"
         assert isinstance(cls.weight_version, property)
-    from megatron_dapo.config import ArchConfig
+    from megatron_dapo.models.arch import ArchConfig
 
     assert isinstance(HFEngine(ArchConfig(hidden_size=32, ffn_hidden_size=32)), RolloutEngine)
     info = TokenizerInfo(eos_token_ids=2, pad_token_id=0)

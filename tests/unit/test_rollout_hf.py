@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from megatron_dapo.bridge.hf_config import hf_from_arch
-from megatron_dapo.config import ArchConfig
 from megatron_dapo.engines.hf import HFEngine, filter_logits
+from megatron_dapo.models.arch import ArchConfig
+from megatron_dapo.models.hf_config import hf_from_arch
 from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import torch
 from megatron_dapo.algo.batch import to_sequences
 from megatron_dapo.algo.offpolicy import BudgetError, check_total_length, remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import DynamicSampler
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.data.dataset import PromptItem, PromptIterator
 from megatron_dapo.engines.base import EngineBase
 from megatron_dapo.loop.schedule import PartialSchedule, SyncSchedule, make_schedule

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.launch.slurm import LaunchOptions, build_plan
 from tests.helpers import REPO
 

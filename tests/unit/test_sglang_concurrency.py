@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_dapo.config import load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.engines.sglang import client as sglang_engine
 from megatron_dapo.engines.sglang.capacity import per_server_concurrency
 from megatron_dapo.engines.sglang.client import SGLangEngine

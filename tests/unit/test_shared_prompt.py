@@ -67,7 +67,7 @@ def test_groups_and_the_flop_decision():
 def actor():
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.dist import teardown
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
 
     yield MegatronActor(load_config("demo_cpu", ["train.batch_prompts=4", "train.mini_batch_prompts=4"]))
     teardown()

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.loop import rollout as driver
 
 ELSEWHERE = "http://192.0.2.7:30000"  # TEST-NET-1 (RFC 5737): never an address of this machine

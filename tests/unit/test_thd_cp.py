@@ -134,7 +134,7 @@ def test_actor_thd_micro_batch_splits_every_per_position_array(monkeypatch):
 
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.dist import teardown
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config.run_config import load_config
     from megatron_dapo.data.geometry import Geometry
     from megatron_dapo.types import Sequence
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dapo.config import ArchConfig, DapoConfig
+from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.engines.hf import HFEngine
 from megatron_dapo.loop.rollout import make_weight_sync
+from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.sync import weight_sync as ws
 from megatron_dapo.sync.weight_sync import CopySync, tensor_checksum
 from megatron_dapo.types import SamplingParams, TokenizerInfo, WeightSyncError

@@ -121,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     redactor = Redactor(secrets_of(argv))
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            preexec_fn=_die_with_parent)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=_die_with_parent,
+    )
 
     def forward(signum, _frame):
         if proc.poll() is None:

@@ -63,6 +63,9 @@ def fit_open_files(concurrency: dict[str, int], budget: int) -> dict[str, int]:
     log.warning(
         "%d requests in flight over %d servers need more connections than RLIMIT_NOFILE %d allows: %d per server "
         "instead (raise the limit, e.g. `ulimit -n`, or lower rollout.max_concurrency)",
-        total, len(concurrency), budget, min(scaled.values()),
-    )  # fmt: skip
+        total,
+        len(concurrency),
+        budget,
+        min(scaled.values()),
+    )
     return scaled

@@ -125,9 +125,14 @@ class SGLangEngine:
 
     @classmethod
     def from_config(
-        cls, cfg, model_path: str | Path | None, tokenizer_info: TokenizerInfo | None = None, log_dir=None,
-        server_urls: Sequence[str] | None = None, start: bool = True,
-    ):  # fmt: skip
+        cls,
+        cfg,
+        model_path: str | Path | None,
+        tokenizer_info: TokenizerInfo | None = None,
+        log_dir=None,
+        server_urls: Sequence[str] | None = None,
+        start: bool = True,
+    ):
         """Attach to ``server_urls`` (default ``rollout.server_urls``) or start one local server with the rollout
         section's settings; ``start=False``: neither start nor wait for them."""
         r = cfg.rollout
@@ -269,9 +274,12 @@ class SGLangEngine:
         while True:
             stale = self._reabort_stale()
             answers = self.call_workers("/v1/loads?include=core", None)
-            busy = [f"{s.url}: {load.get('num_running_reqs')} running, {load.get('num_waiting_reqs')} waiting"
-                    for s, ans in zip(self.servers, answers) for load in (ans or {}).get("loads", [])
-                    if load.get("num_running_reqs") or load.get("num_waiting_reqs")]  # fmt: skip
+            busy = [
+                f"{s.url}: {load.get('num_running_reqs')} running, {load.get('num_waiting_reqs')} waiting"
+                for s, ans in zip(self.servers, answers)
+                for load in (ans or {}).get("loads", [])
+                if load.get("num_running_reqs") or load.get("num_waiting_reqs")
+            ]
             busy += [f"{stale} aborted requests not answered yet"] if stale else []
             if not busy:
                 return
@@ -583,3 +591,8 @@ class SGLangEngine:
             self._released[s.url] = set()  # a new server process holds all its memory
         if self._version != 0:
             self.resync(dead)
+
+
+def engine_from_config(cfg, arch, info: TokenizerInfo, run_dir: Path, model_path) -> SGLangEngine:
+    """The engine of ``rollout.engine: sglang`` (engines/registry.py): its servers start from ``model_path``."""
+    return SGLangEngine.from_config(cfg, model_path, info, log_dir=Path(run_dir) / "sglang")

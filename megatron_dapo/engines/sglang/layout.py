@@ -1,18 +1,18 @@
 """What an SGLang server holds for the HF tensors we send, and the checksums its /weights_checker reports for them.
 
-SGLang 0.5.23 keeps llama-family models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM: sglang/srt/models/
-llama.py, qwen2.py, qwen3.py) in its own layout: ``q_proj``/``k_proj``/``v_proj`` fused into ``qkv_proj`` and
+SGLang 0.5.23 keeps the decoder families we train (each family's file in ``models/`` names its SGLang model file) in
+its own layout: ``q_proj``/``k_proj``/``v_proj`` fused into ``qkv_proj`` and
 ``gate_proj``/``up_proj`` into ``gate_up_proj`` (their ``stacked_params_mapping``), each TP rank holding its shard
 (sglang/srt/layers/linear.py: column-parallel along dim 0, with KV heads replicated when TP exceeds their number;
 ``o_proj``/``down_proj`` row-parallel along dim 1), and the vocabulary padded with zero rows to a multiple of 64 (x TP
-when needed), split in equal row blocks (sglang/srt/layers/vocab_parallel_embedding.py). Qwen3's per-head ``q_norm`` /
-``k_norm`` are plain ``RMSNorm(head_dim)`` weights replicated on every rank (qwen3.py ``Qwen3Attention``; its
-``load_weights`` fuses the same five projections), so they need no rule of their own. ``/weights_checker {"action":
+when needed), split in equal row blocks (sglang/srt/layers/vocab_parallel_embedding.py). Per-head ``q_norm`` /
+``k_norm`` weights are plain ``RMSNorm(head_dim)`` replicated on every rank (the same ``load_weights`` fuses the
+same five projections), so they need no rule of their own. ``/weights_checker {"action":
 "checksum"}`` answers one hash per parameter per TP rank (sglang/srt/utils/weight_checker.py ``_hash_tensor``).
 
 ``ServerChecksums`` rebuilds those shards from the tensors we send, cast to the server's dtype, and hashes them the way
-the server does, so a sync is verified tensor by tensor on any model SGLang serves, Qwen2 included (where
-/get_weights_by_name answers 400). Tests check the whole mapping against the real server.
+the server does, so a sync is verified tensor by tensor on any model SGLang serves, including those where
+/get_weights_by_name answers 400. Tests check the whole mapping against the real server.
 """
 
 from __future__ import annotations

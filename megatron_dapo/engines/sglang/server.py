@@ -61,7 +61,12 @@ class Platform:
 
 PLATFORMS = {
     "cuda": Platform(
-        "cuda", (), (), tensor_device="cuda", group_backend="nccl", patch_ipc_reductions=True,
+        "cuda",
+        (),
+        (),
+        tensor_device="cuda",
+        group_backend="nccl",
+        patch_ipc_reductions=True,
         # --enable-memory-saver alone leaves the CUDA graphs' memory held while the server sleeps: their capture joins
         # the memory saver (tag "cuda_graph") only when this is set (sglang 0.5.23 srt/environ.py:1645; read in
         # srt/model_executor/runner_backend/full_cuda_graph_backend.py:123, breakable_cuda_graph_backend.py:86,
@@ -73,8 +78,10 @@ PLATFORMS = {
     "cpu": Platform(
         "cpu",
         (
-            "--device", "cpu",
-            "--attention-backend", "torch_native",  # the only attention backend SGLang runs on a CPU without AMX
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",  # the only attention backend SGLang runs on a CPU without AMX
             "--disable-cuda-graph",
             "--disable-overlap-schedule",
             "--sleep-on-idle",  # without it the idle scheduler spins one core at 100%
@@ -88,7 +95,7 @@ PLATFORMS = {
         # scheduler dies with AuthenticationError in rebuild_storage_fd (torch/multiprocessing/reductions.py).
         sharing_strategy="file_system",
     ),
-}  # fmt: skip
+}
 
 
 class ServerUnavailable(RolloutError):
@@ -103,9 +110,13 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never 
 
 
 def http_call(
-    url: str, path: str, body: dict | None = None, timeout: float = 60.0, method: str | None = None,
+    url: str,
+    path: str,
+    body: dict | None = None,
+    timeout: float = 60.0,
+    method: str | None = None,
     key: str | None = None,
-):  # fmt: skip
+):
     """One JSON request carrying the job's API key (``key``: another one; "" none); returns the parsed JSON answer (or
     text, or None when empty)."""
     data = json.dumps(body).encode() if body is not None else None
@@ -339,7 +350,7 @@ def _refuse_data_parallel(args: Sequence[str]) -> None:
     """SGLang's weight-update endpoints assert ``dp_size == 1`` (sglang/srt/managers/tokenizer_control_mixin.py): a
     server with ``--dp-size > 1`` would fail every sync. The check config validation runs for ``dapo launch``'s servers
     (``config.sglang_data_parallel``); start one server per rollout TP group instead."""
-    from megatron_dapo.config import sglang_data_parallel
+    from megatron_dapo.config.run_config import sglang_data_parallel
 
     flag = sglang_data_parallel(list(args))
     if flag:

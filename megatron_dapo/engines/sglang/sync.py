@@ -169,8 +169,14 @@ class DiskSync(SGLangSync):
 
     transport = "disk"
 
-    def __init__(self, engine: Any, verify: str = "checksum", sample_size: int = 16, head_dim: int | None = None,
-                 directory: str | Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        verify: str = "checksum",
+        sample_size: int = 16,
+        head_dim: int | None = None,
+        directory: str | Path | None = None,
+    ):
         super().__init__(engine, verify, sample_size, head_dim)
         self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="dapo_weights_"))
 
@@ -272,8 +278,10 @@ class TensorSync(SGLangSync):
                     own = gather.blobs(gather.collect((key, blob)), key)  # TP rank i <- the rank on GPU i
                 bodies = []
                 for s in servers:
-                    blobs = [own.pop(0) if own else MultiprocessingSerializer.serialize(payload, output_str=True)
-                             for _ in range(s.tp_size)]  # fmt: skip
+                    blobs = [
+                        own.pop(0) if own else MultiprocessingSerializer.serialize(payload, output_str=True)
+                        for _ in range(s.tp_size)
+                    ]
                     req = T.UpdateWeightsFromTensorRequest(
                         serialized_named_tensors=blobs,
                         load_format="flattened_bucket",
@@ -313,9 +321,16 @@ class DistributedSync(SGLangSync):
 
     transport = "distributed"
 
-    def __init__(self, engine: Any, verify: str = "checksum", sample_size: int = 16, head_dim: int | None = None,
-                 master_address: str | None = None, master_port: int | None = None,
-                 group_name: str = "dapo_weight_sync"):  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        verify: str = "checksum",
+        sample_size: int = 16,
+        head_dim: int | None = None,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        group_name: str = "dapo_weight_sync",
+    ):
         super().__init__(engine, verify, sample_size, head_dim)
         self.backend = self.platform.group_backend
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
@@ -348,9 +363,13 @@ class DistributedSync(SGLangSync):
             from sglang.srt.utils import init_custom_process_group
 
             self._group = init_custom_process_group(
-                backend=self.backend, init_method=f"tcp://{addr}:{port}", world_size=world, rank=0,
-                group_name=self._name, timeout=datetime.timedelta(seconds=self.engine.server_timeout),
-            )  # fmt: skip
+                backend=self.backend,
+                init_method=f"tcp://{addr}:{port}",
+                world_size=world,
+                rank=0,
+                group_name=self._name,
+                timeout=datetime.timedelta(seconds=self.engine.server_timeout),
+            )
             joined.result()
         self._members = urls
 

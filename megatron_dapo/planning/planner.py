@@ -44,8 +44,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from megatron_dapo.config import ArchConfig, ConfigError, load_arch, padded_vocab_size
-from megatron_dapo.memory import (  # noqa: F401 - the formulas, re-exported for plan users
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
+from megatron_dapo.models.memory import (  # noqa: F401 - the formulas, re-exported for plan users
     BF16,
     FP32,
     RECOMPUTE,
@@ -370,10 +371,23 @@ def plan(
 
 
 def evaluate_layout(
-    model: str | ArchConfig, max_prompt: int, max_response: int, nodes: int, gpus_per_node: int, gpu_mem_gb: float,
-    *, tp: int, pp: int, cp: int, micro_batch_tokens: int, recompute: str = "none", distributed_optimizer: bool = True,
-    fp8: bool = False, sglang_tp: int | None = None, **options,
-) -> Plan:  # fmt: skip
+    model: str | ArchConfig,
+    max_prompt: int,
+    max_response: int,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gb: float,
+    *,
+    tp: int,
+    pp: int,
+    cp: int,
+    micro_batch_tokens: int,
+    recompute: str = "none",
+    distributed_optimizer: bool = True,
+    fp8: bool = False,
+    sglang_tp: int | None = None,
+    **options,
+) -> Plan:
     """The one plan of a chosen layout (a recipe's): its memory per phase and step time; ``feasible`` says whether it
     fits, ``reasons`` why not. ``options`` as for ``plan``."""
     job = _make_job(model, max_prompt, max_response, nodes, gpus_per_node, gpu_mem_gb, options)
@@ -387,9 +401,17 @@ def evaluate_layout(
 
 
 def _evaluate(
-    job: _Job, tp: int, pp: int, cp: int, mb_tokens: int, recompute: str, distopt: bool, fp8: bool,
-    sglang_tp: int | None = None, every_stage: bool = False,
-) -> Plan:  # fmt: skip
+    job: _Job,
+    tp: int,
+    pp: int,
+    cp: int,
+    mb_tokens: int,
+    recompute: str,
+    distopt: bool,
+    fp8: bool,
+    sglang_tp: int | None = None,
+    every_stage: bool = False,
+) -> Plan:
     """Memory of the first and last stage (the others hold fewer parameters than the first and fewer in-flight
     activations than stage 0; ``every_stage``: all of them), the rollout phase, and the step time of one candidate."""
     arch, o, L, h = job.arch, job.opt, job.arch.num_layers, job.arch.hidden_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dapo.config import ArchConfig, padded_vocab_size
+from megatron_dapo.models.arch import ArchConfig, padded_vocab_size
 
 GiB = 1024**3
 BF16, FP32 = 2, 4
@@ -39,7 +39,7 @@ def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
 
 def layer_params(arch: ArchConfig, tp: int = 1) -> int:
     """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias + the per-head q/k
-    RMSNorm weights (Qwen3: [head_dim] each, replicated)."""
+    RMSNorm weights (qk_layernorm: [head_dim] each, replicated)."""
     qkv_bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim // tp if arch.qkv_bias else 0
     qk_norm = 2 * arch.head_dim if arch.qk_layernorm else 0
     return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias + qk_norm
@@ -96,7 +96,7 @@ def activation_bytes_per_token(
                   + softmax 2as + its dropout mask as + dropout output 2as = 5as      (gone with flash attention)
       MLP:        fc1 input 2h + activation input 2f·(2 if gated) + fc2 input 2f + dropout mask h   (their 19sbh)
     With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
-    scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Qwen2/Llama: gated (SwiGLU),
+    scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Every family: gated (SwiGLU),
     no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
     leaving the 2 norm inputs, Q/K/V and the proj input. Full: only the layer input, 2h.
     """
@@ -104,7 +104,9 @@ def activation_bytes_per_token(
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
     mask = h if dropout else 0
-    qk_norm = 2 * (q + kv) if arch.qk_layernorm else 0  # Qwen3: the q/k RMSNorm inputs (TENorm keeps x and 1/rms)
+    qk_norm = (
+        2 * (q + kv) if arch.qk_layernorm else 0
+    )  # qk_layernorm: the q/k RMSNorm inputs (TENorm keeps x and 1/rms)
     if recompute == "full":
         return 2 * h
     if recompute == "selective":
@@ -134,7 +136,7 @@ def local_activation_bytes_per_token(
                   without GQA, K after RoPE and the fused QKV output instead: 3q + 3kv
       scores:     the softmax output, heads · s per token (fp32; a 16-bit model adds its 16-bit copy)
       MLP:        fc1 output 2f, SiLU output, the gated product and fc2's input: 5f
-      q/k norms:  (Qwen3) their input and output in the model's dtype and an fp32 normalized copy: (2d + 4)(q + kv)
+      q/k norms:  (qk_layernorm) their input and output in the model's dtype and an fp32 normalized copy: (2d + 4)(q + kv)
     s = ``attn_seq_len`` (the longest row of the micro-batch). ``heap_factor`` scales all but the scores (the
     allocator's share, see ``LOCAL_HEAP_FACTOR``). Unlike ``activation_bytes_per_token`` (TE's fused
     kernels), nothing here is fused, and every tensor is in the model's dtype."""
@@ -280,15 +282,19 @@ class PhaseMemory:
 def train_phase(m, usable: float, opt_div: int) -> PhaseMemory:
     """The trainer's peak (``plan.Memory`` of its worst stage) while the engines are released."""
     rows = [
-        ("trainer weights", m.weights + m.fp8_cache, f"{m.params / 1e9:.2f} B params × 2 B (bf16)"
-         + (" + FP8 copy and transpose of the GEMM weights" if m.fp8_cache else "")),
+        (
+            "trainer weights",
+            m.weights + m.fp8_cache,
+            f"{m.params / 1e9:.2f} B params × 2 B (bf16)"
+            + (" + FP8 copy and transpose of the GEMM weights" if m.fp8_cache else ""),
+        ),
         ("trainer grads", m.grads, "params × 4 B (fp32 main grads)"),
         ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
         ("trainer activations", m.activations, f"micro-batches in flight on stage {m.stage}"),
         ("trainer logits", m.logits, "one log-softmax chunk (last stage)"),
         ("SGLang (released)", m.rollout, "what a released engine keeps (context, allocator)"),
         ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
-    ]  # fmt: skip
+    ]
     return PhaseMemory("train", rows, usable)
 
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
-from megatron_dapo.typed_yaml import ConfigError, from_dict, read_yaml, resolve_named_yaml
-
-if TYPE_CHECKING:
-    from megatron_dapo.config import ParallelConfig
-
-# the repository's top level (an editable install)
-MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+from megatron_dapo.config.run_config import resolve_arch_path
+from megatron_dapo.config.typed_yaml import ConfigError, from_dict, read_yaml
+from megatron_dapo.models.registry import DEFAULT_FAMILY, family_named
 
 
 @dataclass
@@ -27,7 +22,7 @@ class ArchConfig:
     """A decoder-only transformer architecture, in the terms HF config.json and megatron-core share."""
 
     name: str = "tiny"
-    family: Literal["qwen2", "llama", "qwen3"] = "qwen2"  # selects the bridge mapping table
+    family: str = DEFAULT_FAMILY  # a family in models/registry.py, or "package.module:NAME"
     num_layers: int = 2
     hidden_size: int = 128
     ffn_hidden_size: int = 512
@@ -40,7 +35,7 @@ class ArchConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = True
     tie_embeddings: bool = True
-    qk_layernorm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3's q_norm / k_norm)
+    qk_layernorm: bool = False  # per-head RMSNorm on q and k before RoPE (HF q_norm / k_norm)
 
     @property
     def head_dim(self) -> int:
@@ -53,29 +48,11 @@ def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-# Whether a family has per-head q/k RMSNorm: fixed by the family (its HF config has no switch for it).
-FAMILY_QK_LAYERNORM = {"qwen2": False, "llama": False, "qwen3": True}
-# Families we recognise but do not train, with what is missing (HF model_type or a model config's ``family``).
-UNSUPPORTED_FAMILIES = {
-    "qwen3_moe": "Qwen3-MoE (Qwen3MoeForCausalLM) is not supported: it needs expert parallelism and bridge mappings "
-    "for the router and the experts, which megatron-dapo does not have yet; use a dense Qwen3 "
-    "(model_configs/qwen3-0.6b, qwen3-8b, qwen3-32b)",
-}
-
-
-def refuse_unsupported_family(family: object, source: str, key: str = "family") -> None:
-    if family in UNSUPPORTED_FAMILIES:
-        raise ConfigError(f"{source}: {key} = {family!r}: {UNSUPPORTED_FAMILIES[family]}")
-
-
-def resolve_arch_path(name_or_path: str | Path) -> Path:
-    return resolve_named_yaml(name_or_path, MODEL_CONFIGS_DIR, "model config", "known")
-
-
 def load_arch(name_or_path: str | Path) -> ArchConfig:
     path = resolve_arch_path(name_or_path)
     data = read_yaml(path)
-    refuse_unsupported_family(data.get("family"), str(path))
+    if "family" in data:
+        family_named(data["family"], str(path))  # unknown or unsupported: named before the fields
     arch = from_dict(ArchConfig, data, str(path))
     validate_arch(arch, str(path))
     return arch
@@ -95,8 +72,8 @@ def validate_arch(a: ArchConfig, source: str) -> None:
         raise bad("hidden_size", f"must be divisible by num_attention_heads ({a.num_attention_heads})")
     if a.num_attention_heads % a.num_query_groups:
         raise bad("num_query_groups", f"must divide num_attention_heads ({a.num_attention_heads})")
-    if a.qk_layernorm != FAMILY_QK_LAYERNORM[a.family]:
-        want = FAMILY_QK_LAYERNORM[a.family]
+    want = family_named(a.family, source).qk_layernorm
+    if a.qk_layernorm != want:
         what = "has per-head q/k RMSNorm (q_norm, k_norm)" if want else "has no q/k norm"
         raise bad("qk_layernorm", f"family {a.family} {what}: set qk_layernorm: {str(want).lower()}")
 
@@ -127,12 +104,3 @@ def check_divisible(arch: ArchConfig, tp: int, pp: int, prefix: str = "") -> Non
         raise ConfigError(f"{prefix}tp = {tp}: must divide ffn_hidden_size of {arch.name} ({arch.ffn_hidden_size})")
     if arch.num_layers % pp:
         raise ConfigError(f"{prefix}pp = {pp}: must divide the layers of {arch.name} ({arch.num_layers})")
-
-
-def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
-    mp = parallel.tp * parallel.pp * parallel.cp
-    if world % mp:
-        raise ConfigError(
-            f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
-            f"{what}"
-        )

@@ -1,41 +1,15 @@
-"""ArchConfig ⇄ Hugging Face ``config.json``: one table of field names per family, no model-name branches."""
+"""ArchConfig ⇄ Hugging Face ``config.json``: one table of field names; what differs by family is in its ``Family``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from megatron_dapo.arch import FAMILY_QK_LAYERNORM, UNSUPPORTED_FAMILIES, refuse_unsupported_family
-from megatron_dapo.config import ArchConfig, ConfigError, compare_arch
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.arch import ArchConfig, compare_arch
+from megatron_dapo.models.registry import family_named, family_of_hf
 
-# Per family: HF architecture class, model_type, the config.json fields that are fixed for the family, and where the
-# QKV bias comes from (True: always, Qwen2; a key: that config.json flag, also written back).
-FAMILIES = {
-    "qwen2": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "fixed": {"hidden_act": "silu"},
-        "qkv_bias": True,
-    },
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "fixed": {"hidden_act": "silu", "mlp_bias": False},
-        "qkv_bias": "attention_bias",
-    },
-    # Qwen3 dense: Llama's layout plus per-head RMSNorm on q and k (q_norm, k_norm); head_dim is explicit
-    # (128 on every size, != hidden / heads on 0.6B and 32B); no sliding window in training.
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "fixed": {"hidden_act": "silu", "use_sliding_window": False},
-        "qkv_bias": "attention_bias",
-    },
-}
-# HF architecture classes of the families refused with a reason (arch.UNSUPPORTED_FAMILIES, keyed by model_type).
-UNSUPPORTED_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe"}
-
-# ArchConfig field -> HF config.json key (shared by both families).
+# ArchConfig field -> HF config.json key (every family's)
 FIELDS = {
     "num_layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
@@ -50,26 +24,8 @@ FIELDS = {
 }
 
 
-def family_of(hf_config: dict, source: str = "config.json") -> str:
-    """The mapping family from ``architectures`` / ``model_type`` (never from a model's name)."""
-    archs = hf_config.get("architectures") or []
-    refuse_unsupported_family(hf_config.get("model_type"), source, key="model_type")
-    for a in archs:
-        if a in UNSUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"{source}: architectures = {archs}: {UNSUPPORTED_FAMILIES[UNSUPPORTED_ARCHITECTURES[a]]}"
-            )
-    for family, spec in FAMILIES.items():
-        if any(a in spec["architectures"] for a in archs) or hf_config.get("model_type") == spec["model_type"]:
-            return family
-    raise ConfigError(
-        f"{source}: architectures={archs} model_type={hf_config.get('model_type')!r}: unsupported; "
-        f"supported: {', '.join(a for s in FAMILIES.values() for a in s['architectures'])}"
-    )
-
-
 def arch_from_hf(hf_config: dict, name: str = "hf", source: str = "config.json") -> ArchConfig:
-    family = family_of(hf_config, source)
+    family = family_of_hf(hf_config, source)
     missing = [k for k in FIELDS.values() if k not in hf_config and k not in ("tie_word_embeddings", "rope_theta")]
     if missing:
         raise ConfigError(f"{source}: missing keys {missing}")
@@ -87,19 +43,18 @@ def arch_from_hf(hf_config: dict, name: str = "hf", source: str = "config.json")
         kwargs["kv_channels"] = head_dim
     if hf_config.get("use_sliding_window"):
         raise ConfigError(f"{source}: use_sliding_window = true: only full attention is supported")
-    bias = FAMILIES[family]["qkv_bias"]
+    bias = family.qkv_bias
     qkv_bias = bias if isinstance(bias, bool) else bool(hf_config.get(bias, False))
-    qk_norm = FAMILY_QK_LAYERNORM[family]
-    return ArchConfig(name=name, family=family, qkv_bias=qkv_bias, qk_layernorm=qk_norm, **kwargs)
+    return ArchConfig(name=name, family=family.name, qkv_bias=qkv_bias, qk_layernorm=family.qk_layernorm, **kwargs)
 
 
 def hf_from_arch(arch: ArchConfig, dtype: str = "float32") -> dict:
-    spec = FAMILIES[arch.family]
-    cfg = {"architectures": spec["architectures"], "model_type": spec["model_type"], **spec["fixed"]}
+    family = family_named(arch.family)
+    cfg = {"architectures": list(family.hf_architectures), "model_type": family.hf_model_type, **family.hf_fixed}
     cfg.update({key: getattr(arch, field) for field, key in FIELDS.items()})
     cfg["head_dim"] = arch.head_dim
-    if isinstance(spec["qkv_bias"], str):
-        cfg[spec["qkv_bias"]] = arch.qkv_bias
+    if isinstance(family.qkv_bias, str):
+        cfg[family.qkv_bias] = arch.qkv_bias
     cfg["torch_dtype"] = dtype
     return cfg
 

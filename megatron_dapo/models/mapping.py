@@ -13,19 +13,24 @@ the HF tensors it is made of and says how it is laid out and split for tensor pa
   whole query groups);
 * ``vocab``: rows padded to the TP-padded vocabulary inside Megatron, stripped on the way out.
 
-Adding an architecture = adding one table to ``TABLES`` (selected by ``hf_config.family_of``, never by model name).
+A family's file in ``models/`` builds its ``MappingTable`` from these (``registry.table_for`` selects it by the
+architecture's family, never by model name).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_dapo.config import ArchConfig, ConfigError
+from megatron_dapo.config.typed_yaml import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_dapo.models.arch import ArchConfig
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
 TE_ALIASES = {
@@ -81,7 +86,7 @@ class Block:
     rows: int
 
 
-ShapeFn = Callable[[ArchConfig], tuple[int, ...]]
+ShapeFn = Callable[["ArchConfig"], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -285,30 +290,20 @@ def _order(name: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Tables (Qwen2, Llama and Qwen3 share the HF naming of the decoder; they differ in which mappings are active)
+# The decoder most families share
 
 
-def _h(a: ArchConfig) -> tuple[int, ...]:
+def hidden_shape(a: ArchConfig) -> tuple[int, ...]:
     return (a.hidden_size,)
 
 
-def _head(a: ArchConfig) -> tuple[int, ...]:
+def head_shape(a: ArchConfig) -> tuple[int, ...]:
     return (a.head_dim,)
 
 
-def _qk_norm_mappings() -> tuple[Mapping, ...]:
-    """Per-head RMSNorm on q and k (Qwen3): one [head_dim] weight each, shared by all heads, replicated over TP.
-    megatron-core ``qk_layernorm=True`` builds ``self_attention.q_layernorm`` / ``k_layernorm`` with the same names in
-    the TE spec (TENorm) and the local spec (WrappedTorchNorm) (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py,
-    ``SelfAttentionSubmodules(q_layernorm=..., k_layernorm=...)`` in both ``get_gpt_layer_*_spec``)."""
-    attn = "model.layers.*.self_attn"
-    return (
-        AutoMapping("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", _head),
-        AutoMapping("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", _head),
-    )
-
-
-def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mapping, ...] = ()) -> tuple[Mapping, ...]:
+def decoder_mappings(extra: tuple[Mapping, ...] = ()) -> tuple[Mapping, ...]:
+    """The HF decoder naming most families share (``model.layers.*.self_attn.q_proj`` ..., ``mlp.gate_proj`` ...,
+    ``lm_head`` unless tied), with the QKV bias when ``ArchConfig.qkv_bias``; ``extra`` goes after the QKV mappings."""
     attn = "model.layers.*.self_attn"
     return (
         AutoMapping(
@@ -318,7 +313,7 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mappi
             tp_dim=0,
             vocab=True,
         ),
-        AutoMapping("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight", _h),
+        AutoMapping("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight", hidden_shape),
         qkv_mapping(
             "decoder.layers.*.self_attention.linear_qkv.weight",
             f"{attn}.q_proj.weight",
@@ -332,7 +327,7 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mappi
             f"{attn}.k_proj.bias",
             f"{attn}.v_proj.bias",
             bias=True,
-            when=qkv_bias,
+            when=lambda a: a.qkv_bias,
         ),
         *extra,
         AutoMapping(
@@ -341,7 +336,9 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mappi
             lambda a: (a.hidden_size, a.num_attention_heads * a.head_dim),
             tp_dim=1,
         ),
-        AutoMapping("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", _h),
+        AutoMapping(
+            "decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", hidden_shape
+        ),
         gated_mlp_mapping(
             "decoder.layers.*.mlp.linear_fc1.weight",
             "model.layers.*.mlp.gate_proj.weight",
@@ -353,7 +350,7 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mappi
             lambda a: (a.hidden_size, a.ffn_hidden_size),
             tp_dim=1,
         ),
-        AutoMapping("decoder.final_layernorm.weight", "model.norm.weight", _h),
+        AutoMapping("decoder.final_layernorm.weight", "model.norm.weight", hidden_shape),
         AutoMapping(
             "output_layer.weight",
             "lm_head.weight",
@@ -363,22 +360,3 @@ def _decoder_mappings(qkv_bias: Callable[[ArchConfig], bool], extra: tuple[Mappi
             when=lambda a: not a.tie_embeddings,
         ),
     )
-
-
-# Qwen2 always has QKV bias (hf_config.arch_from_hf sets qkv_bias); Llama and Qwen3 when ``attention_bias`` is set
-# (never in the published Qwen3). Qwen3 adds q_norm / k_norm; its head_dim comes from ArchConfig.kv_channels.
-QWEN2 = MappingTable("qwen2", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias))
-LLAMA = MappingTable("llama", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias))
-QWEN3 = MappingTable("qwen3", _decoder_mappings(qkv_bias=lambda a: a.qkv_bias, extra=_qk_norm_mappings()))
-TABLES: dict[str, MappingTable] = {t.family: t for t in (QWEN2, LLAMA, QWEN3)}
-
-
-def table_for(arch_or_family: ArchConfig | str) -> MappingTable:
-    family = arch_or_family if isinstance(arch_or_family, str) else arch_or_family.family
-    if family not in TABLES:
-        raise ConfigError(f"family {family!r}: no bridge mapping table; known: {', '.join(TABLES)}")
-    return TABLES[family]
-
-
-def iter_hf_names(arch: ArchConfig) -> Iterable[str]:
-    return (h for p in table_for(arch).params(arch) for h in p.hf)

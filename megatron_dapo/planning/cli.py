@@ -1,12 +1,13 @@
-"""``dapo plan``: print the feasible parallel plans of ``megatron_dapo.plan`` as a table and pick one."""
+"""``dapo plan``: print the feasible parallel plans of ``megatron_dapo.planning.planner`` as a table and pick one."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from megatron_dapo.config import ConfigError
-from megatron_dapo.plan import GiB, NoFeasiblePlan, Plan, choose, plan
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models.memory import GiB
+from megatron_dapo.planning.planner import NoFeasiblePlan, Plan, choose, plan
 
 
 def _table(plans: list[Plan], top: int):

@@ -16,22 +16,27 @@ from typing import Any, Literal
 
 import yaml
 
-# architectures and the typed-YAML reader live in their own modules; their names are part of this module's API
-from megatron_dapo.arch import (  # noqa: F401
-    MODEL_CONFIGS_DIR,
-    ArchConfig,
-    check_divisible,
-    check_world_divides,
-    compare_arch,
-    load_arch,
-    padded_vocab_size,
-    resolve_arch_path,
-    validate_arch,
+from megatron_dapo.config.typed_yaml import (
+    ConfigError,
+    from_dict,
+    parse_override,
+    read_yaml,
+    resolve_named_yaml,
+    set_dotted,
 )
-from megatron_dapo.typed_yaml import ConfigError, from_dict, parse_override, read_yaml, resolve_named_yaml, set_dotted
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PACKAGE_DIR / "recipes"
+# The architectures: model_configs/ at the repository's top level, where users edit them (a checkout, an editable
+# install); a wheel carries the same files as megatron_dapo/model_configs (pyproject.toml maps the folder in).
+MODEL_CONFIGS_DIR = next(
+    (d for d in (PACKAGE_DIR / "model_configs", PACKAGE_DIR.parent / "model_configs") if d.is_dir()),
+    PACKAGE_DIR.parent / "model_configs",
+)
+
+
+def resolve_arch_path(name_or_path: str | Path) -> Path:
+    return resolve_named_yaml(name_or_path, MODEL_CONFIGS_DIR, "model config", "known")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -320,24 +325,35 @@ _NOT_SGLANG = (lambda c: c.rollout.engine != "sglang", "rollout.engine = {rollou
 _NO_OVERLONG = (lambda c: not c.algo.overlong_penalty, "algo.overlong_penalty = false")
 _GREEDY = (lambda c: c.eval.greedy, "eval.greedy = true (one greedy sample per problem)")
 _IGNORED_WHEN = {
-    "data.train_files": (lambda c: c.data.synthetic != "none",
-                         "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)"),
-    "data.synthetic_train_size": _SYNTHETIC, "data.synthetic_eval_size": _SYNTHETIC,
+    "data.train_files": (
+        lambda c: c.data.synthetic != "none",
+        "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)",
+    ),
+    "data.synthetic_train_size": _SYNTHETIC,
+    "data.synthetic_eval_size": _SYNTHETIC,
     "data.synthetic_eval_split": (lambda c: c.data.synthetic != "chain_mix", "data.synthetic = {data.synthetic!r}"),
     "data.word_math_max_ops": (lambda c: c.data.synthetic != "word_math", "data.synthetic = {data.synthetic!r}"),
-    "train.supervised_lr": _NO_WARMUP, "train.supervised_batch": _NO_WARMUP, "train.supervised_stop_acc": _NO_WARMUP,
+    "train.supervised_lr": _NO_WARMUP,
+    "train.supervised_batch": _NO_WARMUP,
+    "train.supervised_stop_acc": _NO_WARMUP,
     "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
-    "rollout.server_urls": _NOT_SGLANG, "rollout.sglang_tp": _NOT_SGLANG, "rollout.mem_fraction": _NOT_SGLANG,
+    "rollout.server_urls": _NOT_SGLANG,
+    "rollout.sglang_tp": _NOT_SGLANG,
+    "rollout.mem_fraction": _NOT_SGLANG,
     "rollout.fallback_hf": _NOT_SGLANG,
-    "rollout.max_concurrency": _NOT_SGLANG, "rollout.fanout": _NOT_SGLANG,
-    "algo.overlong_cache": _NO_OVERLONG, "algo.overlong_penalty_factor": _NO_OVERLONG,
+    "rollout.max_concurrency": _NOT_SGLANG,
+    "rollout.fanout": _NOT_SGLANG,
+    "algo.overlong_cache": _NO_OVERLONG,
+    "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
     "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
     "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
-    "eval.n": _GREEDY, "eval.temperature": _GREEDY, "eval.top_p": _GREEDY,
-}  # fmt: skip
+    "eval.n": _GREEDY,
+    "eval.temperature": _GREEDY,
+    "eval.top_p": _GREEDY,
+}
 
 
 def check_unused_overrides(cfg: DapoConfig, overrides: list[tuple[str, Any]]) -> None:
@@ -484,8 +500,14 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     colocated_layout = cfg.cluster.placement == "colocated"
     # a server told which GPUs to use (--base-gpu-id, CUDA_VISIBLE_DEVICES) is the user's choice: one node's async
     own_gpus = "--base-gpu-id" in r.sglang_args or any(kv.startswith("CUDA_VISIBLE_DEVICES=") for kv in r.sglang_env)
-    if (r.engine == "sglang" and r.sglang_device == "cuda" and not r.colocate and not r.server_urls
-            and colocated_layout and not own_gpus):  # fmt: skip
+    if (
+        r.engine == "sglang"
+        and r.sglang_device == "cuda"
+        and not r.colocate
+        and not r.server_urls
+        and colocated_layout
+        and not own_gpus
+    ):
         fail(
             "rollout.colocate",
             r.colocate,
@@ -562,3 +584,12 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})",
         )
     resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
+
+
+def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
+    mp = parallel.tp * parallel.pp * parallel.cp
+    if world % mp:
+        raise ConfigError(
+            f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
+            f"{what}"
+        )

@@ -1,0 +1,77 @@
+"""The model families megatron-dapo trains, by name and by Hugging Face architecture.
+
+A family outside this package plugs in by reference: a model config's ``family: "package.module:NAME"`` (a
+``models.family.Family``) is imported and registered on first use; it is then also found by its HF architecture."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.models import llama, qwen2, qwen3
+from megatron_dapo.models.family import Family
+from megatron_dapo.models.mapping import MappingTable
+
+if TYPE_CHECKING:
+    from megatron_dapo.models.arch import ArchConfig
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen2.FAMILY, llama.FAMILY, qwen3.FAMILY)}
+DEFAULT_FAMILY = qwen2.FAMILY.name  # an architecture YAML without ``family:``
+
+# Families recognised but not trained, with what is missing (a model config's ``family`` or HF ``model_type``)
+UNSUPPORTED = {
+    "qwen3_moe": "Qwen3-MoE (Qwen3MoeForCausalLM) is not supported: it needs expert parallelism and bridge mappings "
+    "for the router and the experts, which megatron-dapo does not have yet; use a dense Qwen3 "
+    "(model_configs/qwen3-0.6b, qwen3-8b, qwen3-32b)",
+}
+UNSUPPORTED_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def family_named(name: str, source: str = "model config", key: str = "family") -> Family:
+    """The family a model config names: a registered name or ``package.module:NAME``; errors name the key."""
+    if name in UNSUPPORTED:
+        raise ConfigError(f"{source}: {key} = {name!r}: {UNSUPPORTED[name]}")
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if isinstance(name, str) and ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            family = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{source}: {key} = {name!r}: cannot import it ({e})") from e
+        if not isinstance(family, Family):
+            raise ConfigError(f"{source}: {key} = {name!r}: a {type(family).__name__}, not a models.family.Family")
+        FAMILIES[name] = family  # under the reference the model configs use
+        return family
+    raise ConfigError(
+        f"{source}: {key} = {name!r}: unknown family; known: {', '.join(FAMILIES)} (or 'package.module:NAME')"
+    )
+
+
+def family_of_hf(hf_config: dict, source: str = "config.json") -> Family:
+    """The family of an HF ``config.json``, from ``architectures`` / ``model_type`` (never from a model's name)."""
+    archs = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    if model_type in UNSUPPORTED:
+        raise ConfigError(f"{source}: model_type = {model_type!r}: {UNSUPPORTED[model_type]}")
+    for a in archs:
+        if a in UNSUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"{source}: architectures = {archs}: {UNSUPPORTED[UNSUPPORTED_ARCHITECTURES[a]]}")
+    for family in FAMILIES.values():
+        if any(a in family.hf_architectures for a in archs) or model_type == family.hf_model_type:
+            return family
+    raise ConfigError(
+        f"{source}: architectures={archs} model_type={model_type!r}: unsupported; "
+        f"supported: {', '.join(a for f in FAMILIES.values() for a in f.hf_architectures)}"
+    )
+
+
+def table_for(arch_or_family: ArchConfig | str) -> MappingTable:
+    name = arch_or_family if isinstance(arch_or_family, str) else arch_or_family.family
+    return family_named(name, key="family (bridge mapping table)").table
+
+
+def iter_hf_names(arch: ArchConfig) -> Iterable[str]:
+    return (h for p in table_for(arch).params(arch) for h in p.hf)
