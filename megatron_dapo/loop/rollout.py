@@ -49,7 +49,7 @@ class RolloutDriver:
         def start() -> None:
             if self.node_sync is None:
                 check_tensor_sync_reach(cfg)
-            self.engine = self.spec.make(cfg, arch, TokenizerInfo.from_hf(tokenizer), run_dir, model_path)
+            self.engine = _make_engine(cfg, arch, tokenizer, run_dir, model_path)
             # per node, rank 0's transport reaches only its own engine (what ``resync`` may restart)
             self.sync = self.node_sync.local if self.node_sync else make_weight_sync(cfg, self.engine)
             self.engine.resync = self.resync
@@ -119,6 +119,11 @@ class RolloutDriver:
             self.sync.close()
         if self.engine is not None:  # rank 0's
             self.engine.shutdown()
+
+
+def _make_engine(cfg: DapoConfig, arch, tokenizer, run_dir: Path, model_path):
+    """The engine ``rollout.engine`` names, made through its registry entry (engines/registry.py)."""
+    return engine_spec(cfg.rollout.engine).make(cfg, arch, TokenizerInfo.from_hf(tokenizer), run_dir, model_path)
 
 
 def _is_this_node(host: str) -> bool:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ def main(out: str, mode: str, default_timeout: float, start_s: float) -> None:
         time.sleep(start_s)
         if mode == "fail":
             raise RuntimeError("server exited during start-up; log: server.log")
-        return object()
+        return types.SimpleNamespace()  # an engine stand-in (the driver sets its resync)
 
     driver._make_engine = start_server
     driver.make_weight_sync = lambda cfg, engine: None

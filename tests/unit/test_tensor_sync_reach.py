@@ -5,6 +5,7 @@ start-up, before any server is contacted, naming what works there."""
 from __future__ import annotations
 
 import socket
+import types
 
 import pytest
 
@@ -17,7 +18,7 @@ ELSEWHERE = "http://192.0.2.7:30000"  # TEST-NET-1 (RFC 5737): never an address 
 
 def _driver(monkeypatch, *overrides: str):
     made = []
-    monkeypatch.setattr(driver, "_make_engine", lambda *a: made.append(a) or object())
+    monkeypatch.setattr(driver, "_make_engine", lambda *a: made.append(a) or types.SimpleNamespace())
     monkeypatch.setattr(driver, "make_weight_sync", lambda cfg, engine: None)
     monkeypatch.delenv("DAPO_LOCAL_SERVER_URL", raising=False)  # not under dapo launch
     cfg = load_config("demo_cpu_sglang", list(overrides))
