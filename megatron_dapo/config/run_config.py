@@ -173,6 +173,18 @@ class DataConfig:
 
 
 @dataclass
+class RewardConfig:
+    # your own reward function, "package.module:function" or "path/to/file.py:function" (its contract:
+    # megatron_dapo/reward/user_fn.py); null = by each row's data_source (the DAPO "Answer:" rule, math-verify)
+    fn: str | None = None
+    batched: bool = False  # fn gets a group at a time (lists) and returns a list
+    workers: int = 2  # processes fn runs in; 0 = the trainer's own process, without a time limit
+    timeout_s: float = 30.0  # per call
+    failure_score: float = -1.0  # the score of a sample whose call raised or timed out
+    max_consecutive_failures: int = 64  # this many failed samples in a row stop the run
+
+
+@dataclass
 class EvalConfig:
     files: list[str] = field(default_factory=list)
     interval: int = 0  # steps; 0 = only at the end
@@ -243,6 +255,7 @@ class DapoConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -323,6 +336,7 @@ _SYNTHETIC = (lambda c: c.data.synthetic == "none", "data.synthetic = 'none'")
 _NO_WARMUP = (lambda c: not c.train.supervised_warmup_steps, "train.supervised_warmup_steps = 0")
 _NOT_SGLANG = (lambda c: c.rollout.engine != "sglang", "rollout.engine = {rollout.engine!r}")
 _NO_OVERLONG = (lambda c: not c.algo.overlong_penalty, "algo.overlong_penalty = false")
+_NO_REWARD_FN = (lambda c: c.reward.fn is None, "reward.fn = null (rows are scored by their data_source)")
 _GREEDY = (lambda c: c.eval.greedy, "eval.greedy = true (one greedy sample per problem)")
 _IGNORED_WHEN = {
     "data.train_files": (
@@ -350,6 +364,10 @@ _IGNORED_WHEN = {
     "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
+    **{
+        f"reward.{k}": _NO_REWARD_FN
+        for k in ("batched", "workers", "timeout_s", "failure_score", "max_consecutive_failures")
+    },
     "eval.n": _GREEDY,
     "eval.temperature": _GREEDY,
     "eval.top_p": _GREEDY,
@@ -576,6 +594,13 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
     if cfg.eval.n < 1:
         fail("eval.n", cfg.eval.n, "must be >= 1")
+    rw = cfg.reward
+    if rw.workers < 0:
+        fail("reward.workers", rw.workers, "must be >= 0 (0 = in the trainer's process)")
+    if rw.timeout_s <= 0:
+        fail("reward.timeout_s", rw.timeout_s, "must be > 0")
+    if rw.max_consecutive_failures < 1:
+        fail("reward.max_consecutive_failures", rw.max_consecutive_failures, "must be >= 1")
     c = cfg.cluster
     if c.placement == "disaggregated" and not 0 < c.rollout_nodes < c.nodes:
         fail(

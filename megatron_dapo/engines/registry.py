@@ -3,11 +3,11 @@ subpackage in ``engines/`` (a ``RolloutEngine``, see ``base.py``) and one entry 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_dapo.config.plugins import load_callable
 from megatron_dapo.config.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
@@ -25,11 +25,9 @@ class EngineSpec:
     weight_syncs: tuple[str, ...]  # the rollout.weight_sync transports it takes
 
     def make(self, cfg: Any, arch: ArchConfig, info: TokenizerInfo, run_dir: Path, model_path) -> RolloutEngine:
-        module, _, attr = self.factory.partition(":")
-        target: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            target = getattr(target, part)
-        return target(cfg, arch, info, run_dir, model_path)
+        return load_callable(self.factory, f"rollout.engine {self.name!r} factory")(
+            cfg, arch, info, run_dir, model_path
+        )
 
 
 ENGINES: dict[str, EngineSpec] = {

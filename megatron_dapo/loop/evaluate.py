@@ -84,7 +84,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     if is_driver():
         results = run_eval(
             rollout.engine,
-            RewardScorer(),
+            RewardScorer.from_config(cfg.reward),
             datasets,
             cfg.eval,
             cfg.rollout.sampling.max_new_tokens,

@@ -107,6 +107,7 @@ class SyncSchedule:
         stats["acc_generated"] = sum(generated) / max(1, len(generated))  # before filtering (acc_mean: kept groups)
         stats["samples_generated"] = len(generated)
         stats["server_restarts"] = self.engine.step_restarts
+        stats.update(self.scorer.metrics(reset=True))  # reward/...: counts and the reward function's own numbers
         return stats
 
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:

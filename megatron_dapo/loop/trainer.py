@@ -102,9 +102,10 @@ class Trainer:
         if is_driver():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
+        self.scorer = self.eval_scorer = None  # rank 0's: training samples, held-out eval (counted apart)
+        on_driver(self._make_scorers)  # a bad reward.fn stops every rank here, before any server starts
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
-        self.scorer = RewardScorer() if is_driver() else None
         # when samples are generated, on which weights (rollout.schedule): asked for each batch, told each version
         self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer)
         if self._resume_extra:
@@ -162,7 +163,13 @@ class Trainer:
                 if saved:
                     with Timer("save", times):
                         self.save(step)
-            metrics.update({f"train/{k}": float(v) for k, v in sampling_stats.items() if not k.startswith("total_")})
+            metrics.update(
+                {
+                    k if k.startswith("reward/") else f"train/{k}": float(v)
+                    for k, v in sampling_stats.items()
+                    if not k.startswith("total_")
+                }
+            )
             metrics["train/samples_generated_total"] = self.samples_generated
             metrics.update(times)
             metrics.update(getattr(self.phases, "timings", {}))
@@ -182,6 +189,9 @@ class Trainer:
             self.logger.close()
         self.schedule.close()  # one_step_off/async: the producer thread ends (idle since the last sync)
         self.rollout.close()
+        for scorer in (self.scorer, self.eval_scorer):
+            if scorer is not None:
+                scorer.close()
         return last
 
     def _budget_spent(self) -> bool:
@@ -192,13 +202,22 @@ class Trainer:
             t.time_budget_s and self.rl_seconds >= t.time_budget_s
         )
 
+    def _make_scorers(self) -> None:
+        self.scorer = RewardScorer.from_config(self.cfg.reward)
+        self.eval_scorer = RewardScorer.from_config(self.cfg.reward)
+
     # ------------------------------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval on rank 0; the metrics on every rank."""
         max_new = self.cfg.rollout.sampling.max_new_tokens
         return on_driver(
             lambda: run_eval(
-                self.rollout.engine, self.scorer, self.eval_data, self.cfg.eval, max_new, self.cfg.train.seed + step
+                self.rollout.engine,
+                self.eval_scorer,
+                self.eval_data,
+                self.cfg.eval,
+                max_new,
+                self.cfg.train.seed + step,
             )
         )
 

@@ -5,10 +5,10 @@ A family outside this package plugs in by reference: a model config's ``family: 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from megatron_dapo.config.plugins import load_object
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models import llama, qwen2, qwen3
 from megatron_dapo.models.family import Family
@@ -36,11 +36,7 @@ def family_named(name: str, source: str = "model config", key: str = "family") -
     if name in FAMILIES:
         return FAMILIES[name]
     if isinstance(name, str) and ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            family = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{source}: {key} = {name!r}: cannot import it ({e})") from e
+        family = load_object(name, f"{source}: {key}")
         if not isinstance(family, Family):
             raise ConfigError(f"{source}: {key} = {name!r}: a {type(family).__name__}, not a models.family.Family")
         FAMILIES[name] = family  # under the reference the model configs use

@@ -8,6 +8,9 @@ A row names its scorer through ``reward_model.style`` (``"math_verify"`` forces 
 ``data_source``, matched by exact name or by prefix before a separator (``"aime-2024"`` -> ``"aime"``,
 ``"synthetic/add2"`` -> ``"synthetic"``). ``math_dapo``, ``aime*``, ``synthetic*`` use the DAPO "Answer:" rule;
 ``math_verify*`` uses math-verify in a process pool. An unknown source is an error that names it.
+
+With ``reward.fn`` set (``RewardScorer.from_config``), the user's function scores every row instead (user_fn.py);
+the numbers it returns besides ``score`` are averaged per step as ``reward/<name>``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.reward.math_verify_backend import ERROR, INVALID, TIMEOUT, MathVerifyPool
+from megatron_dapo.reward.user_fn import UserRewardFn
 
 DAPO_RULE = "math_dapo"
 MATH_VERIFY = "math_verify"
@@ -51,6 +55,25 @@ def row_ground_truth(row: Any) -> str:
     return str(gt)
 
 
+def row_metadata(row: Any) -> dict:
+    """What a user's reward function gets as ``metadata``: the row's data_source, index, source and extra fields."""
+    extra = _field(row, "extra")
+    meta = dict(extra) if isinstance(extra, Mapping) else {}
+    for name in ("data_source", "index", "source"):
+        if _field(row, name) is not None:
+            meta[name] = _field(row, name)
+    return meta
+
+
+def row_prompt(row: Any) -> str:
+    """The rendered prompt (``PromptItem.prompt_text``), else the row's ``prompt`` messages' contents joined."""
+    text = _field(row, "prompt_text")
+    if text is None:
+        prompt = _field(row, "prompt")
+        text = "\n\n".join(m.get("content", "") for m in prompt) if isinstance(prompt, list) else (prompt or "")
+    return str(text)
+
+
 def _row_style(row: Any) -> str | None:
     style = _field(row, "reward_style")
     if style is None:
@@ -72,7 +95,10 @@ class RewardScorer:
         sources: Mapping[str, str] | None = None,
         math_verify_timeout_s: float = 5.0,
         math_verify_workers: int | None = None,
+        user_fn: UserRewardFn | None = None,
     ):
+        self.user_fn = user_fn
+        self.extras: collections.defaultdict = collections.defaultdict(lambda: [0.0, 0])  # name -> [sum, count]
         self.sources = dict(DEFAULT_SOURCES)
         for key, name in {**(sources or {}), **({"<force>": force} if force else {})}.items():
             if name not in SCORERS:
@@ -83,6 +109,21 @@ class RewardScorer:
         self._mv_workers = math_verify_workers
         self._math_verify: MathVerifyPool | None = None
         self.counters: collections.Counter = collections.Counter()
+
+    @classmethod
+    def from_config(cls, reward_cfg: Any) -> RewardScorer:
+        """The run's scorer: by data_source, or ``reward.fn`` when set (loaded now: a bad value is a ConfigError)."""
+        if reward_cfg.fn is None:
+            return cls()
+        fn = UserRewardFn(
+            reward_cfg.fn,
+            workers=reward_cfg.workers,
+            timeout_s=reward_cfg.timeout_s,
+            failure_score=reward_cfg.failure_score,
+            batched=reward_cfg.batched,
+            max_consecutive_failures=reward_cfg.max_consecutive_failures,
+        )
+        return cls(user_fn=fn)
 
     def scorer_for(self, row: Any) -> str:
         """The scorer name for a row (see the module docstring); unknown sources raise, naming the data_source."""
@@ -120,6 +161,8 @@ class RewardScorer:
         """
         if len(responses) != len(rows):
             raise ValueError(f"score_batch: {len(responses)} responses but {len(rows)} rows")
+        if self.user_fn is not None:
+            return self._count(self._score_user(responses, rows))
         names = [self.scorer_for(row) for row in rows]
         truths = [row_ground_truth(row) for row in rows]
         results: list[dict | None] = [None] * len(rows)
@@ -133,6 +176,25 @@ class RewardScorer:
             mv = self.math_verify.score_batch([responses[i] for i in mv_index], [truths[i] for i in mv_index])
             for i, r in zip(mv_index, mv):
                 results[i] = {**r, "scorer": MATH_VERIFY}
+        return self._count(results)  # type: ignore[arg-type]
+
+    def _score_user(self, responses: Sequence[str], rows: Sequence[Any]) -> list[dict]:
+        assert self.user_fn is not None
+        results = self.user_fn.score_batch(
+            [row_prompt(r) for r in rows],
+            responses,
+            [row_ground_truth(r) for r in rows],
+            [row_metadata(r) for r in rows],
+        )
+        for r in results:
+            for name, value in r.pop("extras").items():
+                self.extras[name][0] += value
+                self.extras[name][1] += 1
+            r["status"] = r["status"] if r["status"] != "ok" else ("ok" if r["acc"] else "wrong")
+            r["scorer"] = self.user_fn.spec
+        return results
+
+    def _count(self, results: list[dict]) -> list[dict]:
         for r in results:
             assert r is not None
             self.counters["scored"] += 1
@@ -149,11 +211,16 @@ class RewardScorer:
         out["reward/invalid_frac"] = c["invalid"] / c["scored"] if c["scored"] else 0.0
         if self._math_verify is not None:
             out["reward/math_verify_restarts"] = float(self._math_verify.counters["restarts"])
+        for name, (total, count) in self.extras.items():
+            out[f"reward/{name}"] = total / count if count else 0.0
         if reset:
             self.counters = collections.Counter()
+            self.extras.clear()
         return out
 
     def close(self) -> None:
+        if self.user_fn is not None:
+            self.user_fn.close()
         if self._math_verify is not None:
             self._math_verify.close()
             self._math_verify = None
