@@ -129,6 +129,12 @@ class RolloutConfig:
     # devices (rollout.colocate = false); the weight sync waits for the batch in progress (a batch is one version)
     schedule: Literal["sync", "one_step_off", "async"] = "sync"
     max_staleness: int = 2  # async: a batch is trained at most this many versions after the weights it started on
+    # your own rollout, "package.module:function" (loop/rollout_fn.py has the contract; megatron_dapo.rollouts.
+    # tool_agent:generate is the built-in multi-turn tool agent), called per sample with generate_args as keywords;
+    # null = the engine's own single-turn generation
+    generate: str | None = None
+    generate_args: dict = field(default_factory=dict)
+    generate_concurrency: int = 64  # rollout-function calls running at once (threads)
 
 
 @dataclass
@@ -362,6 +368,8 @@ _IGNORED_WHEN = {
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
     "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
     "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
+    "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
     **{
@@ -594,6 +602,10 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
     if cfg.eval.n < 1:
         fail("eval.n", cfg.eval.n, "must be >= 1")
+    if r.generate is not None and r.partial:
+        fail("rollout.partial", r.partial, "a rollout function (rollout.generate) runs without partial rollout so far")
+    if r.generate_concurrency < 1:
+        fail("rollout.generate_concurrency", r.generate_concurrency, "must be >= 1")
     rw = cfg.reward
     if rw.workers < 0:
         fail("reward.workers", rw.workers, "must be >= 0 (0 = in the trainer's process)")

@@ -69,6 +69,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if item_tp is str:  # [--max-total-tokens, 8192]: YAML reads the bare number as a number; it is its text
             value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:  # free-form arguments for user code (rollout.generate_args)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} = {value!r}: expected a mapping")
+        return dict(value)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

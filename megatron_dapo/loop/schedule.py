@@ -22,6 +22,7 @@ The trainer keeps no branch on the schedule: it calls these methods whatever the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,19 +36,24 @@ from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.async_schedule import AsyncSchedule
 from megatron_dapo.loop.control import on_driver
+from megatron_dapo.loop.rollout_fn import EngineRollouts, make_rollouts
 from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
 
 
-def make_schedule(cfg, engine, prompts, sampler, scorer):
-    inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer)
+def make_schedule(cfg, engine, prompts, sampler, scorer, tokenizer=None):
+    """``tokenizer``: the run's (a rollout function encodes a tool's output with it)."""
+    rollouts = make_rollouts(cfg, engine, tokenizer) if engine is not None else None
+    inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer, rollouts)
     return inner if cfg.rollout.schedule == "sync" else AsyncSchedule(cfg, inner)  # a producer thread drives inner
 
 
 class SyncSchedule:
     """Generate until B groups are kept, abort and drop the surplus (the step waits for its slowest kept sample)."""
 
-    def __init__(self, cfg, engine, prompts, sampler, scorer):
+    def __init__(self, cfg, engine, prompts, sampler, scorer, rollouts=None):
         self.cfg, self.engine, self.prompts, self.sampler, self.scorer = cfg, engine, prompts, sampler, scorer
+        # how samples are generated: the engine's batched single turn, or the user's rollout.generate function
+        self.rollouts = rollouts if rollouts is not None else EngineRollouts(engine)
         self.groups: list[Group] = []  # the last batch's groups (rank 0)
         self.version = 0  # the weights the engines hold
 
@@ -108,27 +114,27 @@ class SyncSchedule:
         stats["samples_generated"] = len(generated)
         stats["server_restarts"] = self.engine.step_restarts
         stats.update(self.scorer.metrics(reset=True))  # reward/...: counts and the reward function's own numbers
+        stats.update(self.rollouts.metrics(reset=True))  # rollout/...: the rollout function's numbers
         return stats
 
     def collect_groups(self, step: int) -> tuple[list[Group], dict]:
         """Rank 0: generate, score and filter groups until B are kept (dynamic sampling), aborting the surplus."""
-        cfg, sampler, engine = self.cfg, self.sampler, self.engine
+        cfg, sampler = self.cfg, self.sampler
         self._new_step()
         batch_index, generated = 0, []
         while not sampler.full:
             items = self.prompts.take(cfg.algo.gen_batch_prompts)
             collector = PromptOrderCollector(len(items), sampler.missing, cfg.algo.dynamic_sampling)
-            stream = engine.generate_stream(
-                [it.prompt_ids for it in items], self.sampling(step, batch_index), n=cfg.algo.group_size
-            )
-            for samples in stream:
-                item = items[samples[0].prompt_index]
-                results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
-                group = group_from_samples(item.prompt_ids, samples, results, item.data_source)
-                generated += group.correct
-                if collector.add(samples[0].prompt_index, group, torch.tensor(group.correct)):
-                    engine.abort()  # the first informative groups in prompt order are in: drop the rest
-                    break
+            stream = self.rollouts.stream(items, self.sampling(step, batch_index), cfg.algo.group_size)
+            with contextlib.closing(stream):
+                for samples in stream:
+                    item = items[samples[0].prompt_index]
+                    results = self.scorer.score_batch([s.text for s in samples], [item] * len(samples))
+                    group = group_from_samples(item.prompt_ids, samples, results, item.data_source)
+                    generated += group.correct
+                    if collector.add(samples[0].prompt_index, group, torch.tensor(group.correct)):
+                        self.rollouts.abort()  # the first informative groups in prompt order are in: drop the rest
+                        break
             sampler.add(*collector.take())
             batch_index += 1
         return sampler.take(), self._finish_stats(generated)
@@ -172,8 +178,8 @@ class Carried:
 class PartialSchedule(SyncSchedule):
     """Abort the surplus but keep it; resume it first next step with the budget it has left."""
 
-    def __init__(self, cfg, engine, prompts, sampler, scorer):
-        super().__init__(cfg, engine, prompts, sampler, scorer)
+    def __init__(self, cfg, engine, prompts, sampler, scorer, rollouts=None):
+        super().__init__(cfg, engine, prompts, sampler, scorer, rollouts)
         self.carried: list[Carried] = []
         self.totals = {"dropped_stale_groups": 0, "dropped_stale_samples": 0, "resumed_samples": 0}
         self._step: dict[str, float] = {}

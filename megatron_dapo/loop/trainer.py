@@ -20,8 +20,9 @@ from rich.progress import track
 from megatron_dapo import runs
 from megatron_dapo.actor import checkpoint as ckpt
 from megatron_dapo.actor.actor import MegatronActor
-from megatron_dapo.algo.batch import logprob_gap_stats
+from megatron_dapo.algo.batch import logprob_gap_stats, policy_entropy
 from megatron_dapo.algo.sampling import DynamicSampler
+from megatron_dapo.config.plugins import load_callable
 from megatron_dapo.config.run_config import DapoConfig, save_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptIterator
@@ -107,7 +108,7 @@ class Trainer:
         self.rollout = RolloutDriver(cfg, self.arch, self.tokenizer, self.run_dir, self.actor)
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         # when samples are generated, on which weights (rollout.schedule): asked for each batch, told each version
-        self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer)
+        self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer, self.tokenizer)
         if self._resume_extra:
             self.schedule.load_state_dict(self._resume_extra)
         resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
@@ -148,7 +149,7 @@ class Trainer:
                     metrics.update(self.actor.train_step(seqs))
                 if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
                     metrics.update(logprob_gap_stats(self.schedule.groups, [s.old_logprobs for s in seqs]))
-                    metrics["train/entropy"] = float(torch.cat([s.entropy for s in seqs]).mean())  # of π_old
+                    metrics["train/entropy"] = policy_entropy(seqs)
                 metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
@@ -165,7 +166,7 @@ class Trainer:
                         self.save(step)
             metrics.update(
                 {
-                    k if k.startswith("reward/") else f"train/{k}": float(v)
+                    k if k.startswith(("reward/", "rollout/")) else f"train/{k}": float(v)
                     for k, v in sampling_stats.items()
                     if not k.startswith("total_")
                 }
@@ -203,8 +204,11 @@ class Trainer:
         )
 
     def _make_scorers(self) -> None:
+        """Rank 0: the reward scorers, and the user's rollout function imported once (a bad one stops every rank)."""
         self.scorer = RewardScorer.from_config(self.cfg.reward)
         self.eval_scorer = RewardScorer.from_config(self.cfg.reward)
+        if self.cfg.rollout.generate is not None:
+            load_callable(self.cfg.rollout.generate, "rollout.generate")
 
     # ------------------------------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:

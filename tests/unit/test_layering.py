@@ -11,7 +11,7 @@ LAYERS = [
     ["types", "versions"],  # the data that flows; nothing of ours
     ["config"],  # typed config: YAML, dotted overrides, validation
     ["models", "runs", "metrics", "report", "ports"],  # architectures and families, memory model; run folders, metrics
-    ["algo", "data", "reward"],  # pure functions, datasets, verifiers
+    ["algo", "data", "reward", "rollouts"],  # pure functions, datasets, verifiers, rollout functions and tools
     ["actor", "bridge", "engines", "sync"],  # the trainer, the weights' way to the engines, the engines
     ["loop"],  # trainer, schedules, phases, the control plane
     ["planning", "launch"],  # planning a job, launching it

@@ -61,6 +61,9 @@ class LengthScorer:
     def score_batch(self, texts, items):
         return [{"score": 1.0 if len(t.split()) % 2 == 0 else -1.0, "acc": len(t.split()) % 2 == 0} for t in texts]
 
+    def metrics(self, reset=False):
+        return {}
+
 
 def items(n: int) -> list[PromptItem]:
     return [PromptItem(i, [1 + i % 50, 2 + i // 50, 3], f"p{i}", "0", "fake", []) for i in range(n)]  # distinct

@@ -1,5 +1,6 @@
-"""A reward function from a module outside the package drives a short CPU training: the rewards the loop trains on
-are its scores, and the numbers it returns besides the score are in metrics.jsonl as reward/<name>."""
+"""User code in a short CPU training: a reward function from a module outside the package (the rewards the loop trains
+on are its scores; its other numbers are in metrics.jsonl as reward/<name>), and a rollout function (the default
+single turn written as one trains exactly as the engine's own generation does)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,23 @@ def test_a_reward_function_outside_the_package_drives_training(tmp_path):
         assert 0 < r["reward/chars"]
         # every generated group is trained on: the mean reward is the function's, through its "even" fraction
         assert r["train/reward_mean"] == pytest.approx(2 * r["reward/even"] - 1, abs=1e-6)
+
+
+def test_a_rollout_function_runs_in_the_loop_and_single_turn_matches_the_engines_own(tmp_path):
+    runs = {}
+    for name, extra in (("engine", []), ("seam", ["rollout.generate=megatron_dapo.rollouts.single_turn:generate"])):
+        dapo(
+            "train",
+            "--recipe",
+            "demo_cpu",
+            *BASE,
+            "train.steps=2",
+            *extra,
+            f"train.run_dir={tmp_path}",
+            f"train.name={name}",
+        )
+        runs[name] = metrics(tmp_path / name)
+    for a, b in zip(runs["engine"], runs["seam"]):
+        for key in ("train/reward_mean", "train/acc_mean", "train/response_len_mean", "reward/scored"):
+            assert a[key] == b[key], key
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
