@@ -63,13 +63,15 @@ def test_unknown_and_unsupported_families_name_the_key(tmp_path):
 
 def test_a_family_outside_the_package_plugs_in_by_reference(tmp_path, monkeypatch):
     pkg = tmp_path / "my_families.py"
-    pkg.write_text(textwrap.dedent("""
+    pkg.write_text(
+        textwrap.dedent("""
         from megatron_dapo.models.family import Family
         from megatron_dapo.models.mapping import MappingTable, decoder_mappings
 
         MINE = Family(name="mine", hf_architectures=("MineForCausalLM",), hf_model_type="mine",
                       table=MappingTable("mine", decoder_mappings()), qkv_bias="attention_bias")
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr("megatron_dapo.models.registry.FAMILIES", dict(FAMILIES))
     arch_file = tmp_path / "mine-tiny.yaml"
