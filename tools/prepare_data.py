@@ -9,6 +9,12 @@ few by row number and column), and writes the result atomically (temporary file 
 batches, so memory stays bounded for large files. An existing output is only replaced with ``--overwrite``.
 Invalid rows are dropped and counted; with ``--strict`` any invalid row fails the run. Exit status: 0 on success,
 1 for bad arguments or input (the message names the file, row and column).
+
+    python tools/prepare_data.py --tool-example data/tool_arith.parquet --rows 256
+
+writes an example of the agentic format instead: multiplication problems too large to do in one's head, each row
+declaring the calculator tool in its ``tools`` column (JSON of OpenAI function declarations), for the tool agent
+(``rollout.generate: megatron_dapo.rollouts.tool_agent:generate``).
 """
 
 from __future__ import annotations
@@ -137,16 +143,66 @@ def prepare(
     return report
 
 
+TOOL_PROMPT = "What is {a} * {b}? Use the calculator, then end with a line 'Answer: N'."
+
+
+def tool_example_rows(rows: int, seed: int = 0) -> list[dict]:
+    """Rows of the agentic format: the DAPO schema plus ``tools`` (JSON text) declaring the calculator."""
+    import random
+
+    from megatron_dapo.rollouts.tools import TOOL_SCHEMAS
+
+    rng = random.Random(seed)
+    tools = json.dumps([TOOL_SCHEMAS["calculator"]])
+    out = []
+    for i in range(rows):
+        a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": TOOL_PROMPT.format(a=a, b=b)}],
+                "reward_model": {"ground_truth": str(a * b), "style": "rule"},
+                "data_source": "tool_arith",
+                "tools": tools,
+                "extra_info": {"index": i, "a": a, "b": b},
+            }
+        )
+    return out
+
+
+def write_tool_example(output: str | Path, rows: int, overwrite: bool) -> Path:
+    output_path = Path(output)
+    if output_path.exists() and not overwrite:
+        raise PrepareError(f"{output_path} exists (use --overwrite to replace it)")
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{output_path.name}.", suffix=".tmp", dir=output_path.parent)
+    os.close(fd)
+    pq.write_table(pa.Table.from_pylist(tool_example_rows(rows)), tmp)
+    os.replace(tmp, output_path)
+    return output_path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", required=True, help="DAPO-schema parquet to read")
-    parser.add_argument("--output", required=True, help="de-duplicated parquet to write")
+    parser.add_argument("--input", help="DAPO-schema parquet to read")
+    parser.add_argument("--output", help="de-duplicated parquet to write")
+    parser.add_argument("--tool-example", metavar="OUT", help="write an example of the agentic format to OUT instead")
+    parser.add_argument("--rows", type=int, default=256, help="--tool-example: how many rows")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--strict", action="store_true", help="fail (write nothing) if any row is invalid")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     console = Console(stderr=True, soft_wrap=True)  # never wrap messages that name files and rows
+    if args.tool_example:
+        try:
+            path = write_tool_example(args.tool_example, args.rows, args.overwrite)
+        except PrepareError as e:
+            console.print(f"[red]error:[/red] {e}", highlight=False)
+            return 1
+        print(f"{path}: {args.rows} rows of the agentic format (tools: calculator)")
+        return 0
+    if not args.input or not args.output:
+        parser.error("--input and --output are required (or --tool-example OUT)")
     try:
         report = prepare(args.input, args.output, args.overwrite, args.strict, not args.no_progress, console)
     except PrepareError as e:

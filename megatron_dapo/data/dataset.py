@@ -10,6 +10,8 @@ The DAPO schema, one row per prompt::
     prompt        list<struct<role: string, content: string>>   the chat, usually one user turn
     reward_model  struct<ground_truth: string, style: string>   ground_truth is required and non-empty
     data_source   string                                        picks the reward function (megatron_dapo.reward)
+    tools         string (JSON) or list of OpenAI function declarations   optional: the tools the chat template
+                  shows the model and a tool agent lets it call (megatron_dapo/rollouts/tool_agent.py)
     ability, extra_info                                          optional, carried along in PromptItem.extra
 
 Every schema error names the file, the row and the column: ``aime-2024.parquet row 17: reward_model.ground_truth is
@@ -75,7 +77,33 @@ def check_row(row: Mapping[str, Any]) -> str | None:
     source = row.get("data_source")
     if not isinstance(source, str) or not source:
         return "data_source is missing" if source is None else f"data_source is not a non-empty string ({source!r})"
+    try:
+        row_tools(row)
+    except ValueError as e:
+        return f"tools: {e}"
     return None
+
+
+def row_tools(row: Mapping[str, Any]) -> list[dict] | None:
+    """The row's tool declarations (the ``tools`` column: JSON text or a list of OpenAI function declarations,
+    ``{"type": "function", "function": {"name": ..., "parameters": {...}}}``); None when it has none."""
+    tools = row.get("tools")
+    if tools is None or (isinstance(tools, (str, bytes)) and not tools.strip()):
+        return None
+    if isinstance(tools, (str, bytes)):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON ({e.msg} at character {e.pos})") from e
+    if isinstance(tools, Mapping) or not isinstance(tools, Sequence):
+        raise ValueError(f"expected a list of function declarations, got {type(tools).__name__}")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"[{j}] has no function name")
+        out.append(dict(tool))
+    return out
 
 
 def check_columns(columns: Iterable[str], name: str) -> None:
@@ -191,14 +219,18 @@ class PromptItem:
         return {"ground_truth": self.ground_truth, "style": self.reward_style}
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]], apply_chat_template: bool) -> str:
-    """The prompt text: the tokenizer's chat template with the generation prompt, or the contents joined."""
+def render_prompt(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], apply_chat_template: bool, tools: list | None = None
+) -> str:
+    """The prompt text: the tokenizer's chat template with the generation prompt (and the row's tool declarations),
+    or the contents joined."""
     if not apply_chat_template:
         return "\n\n".join(m["content"] for m in messages)
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
-        return tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=False
-        )
+        if tools:
+            return tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     except ValueError as e:
         if "chat_template" in str(e) or "chat template" in str(e):
             raise DataError(
@@ -257,7 +289,8 @@ class PromptDataset:
     ) -> PromptDataset:
         if max_prompt_len < 1:
             raise DataError(f"max_prompt_len = {max_prompt_len}: must be >= 1")
-        texts = [render_prompt(tokenizer, row["prompt"], apply_chat_template) for _, _, row in rows]
+        tools = [row_tools(row) for _, _, row in rows]
+        texts = [render_prompt(tokenizer, row["prompt"], apply_chat_template, t) for (_, _, row), t in zip(rows, tools)]
         # Chat templates write their own special tokens; plain text gets the tokenizer's defaults (e.g. BOS).
         all_ids = encode_texts(tokenizer, texts, add_special_tokens=not apply_chat_template)
         if overflow == "error":
@@ -272,10 +305,12 @@ class PromptDataset:
                     "(data.prompt_overflow = error; 'truncate' cuts them from the left)"
                 )
         items = []
-        for index, ((file, row_index, row), text, ids) in enumerate(zip(rows, texts, all_ids)):
+        for index, ((file, row_index, row), text, ids, row_tool) in enumerate(zip(rows, texts, all_ids, tools)):
             messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
             truth = str(row["reward_model"]["ground_truth"])
             extra = {k: v for k, v in row.items() if k not in (*REQUIRED_COLUMNS, "__index_level_0__")}
+            if row_tool is not None:
+                extra["tools"] = row_tool  # parsed: what a tool agent reads
             items.append(
                 PromptItem(
                     index=index,

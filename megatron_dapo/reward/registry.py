@@ -6,7 +6,7 @@
 
 A row names its scorer through ``reward_model.style`` (``"math_verify"`` forces the math-verify backend) or else its
 ``data_source``, matched by exact name or by prefix before a separator (``"aime-2024"`` -> ``"aime"``,
-``"synthetic/add2"`` -> ``"synthetic"``). ``math_dapo``, ``aime*``, ``synthetic*`` use the DAPO "Answer:" rule;
+``"synthetic/add2"`` -> ``"synthetic"``). ``math_dapo``, ``aime*``, ``synthetic*``, ``tool*`` use the DAPO "Answer:" rule;
 ``math_verify*`` uses math-verify in a process pool. An unknown source is an error that names it.
 
 With ``reward.fn`` set (``RewardScorer.from_config``), the user's function scores every row instead (user_fn.py);
@@ -34,6 +34,7 @@ DEFAULT_SOURCES: dict[str, str] = {
     "aime": DAPO_RULE,
     "amc": DAPO_RULE,
     "synthetic": DAPO_RULE,
+    "tool": DAPO_RULE,  # tools/prepare_data.py --tool-example: tool_arith
     "math_verify": MATH_VERIFY,
 }
 
