@@ -1,4 +1,5 @@
-"""Evaluation: sample k responses per problem with the rollout engine, score them, report avg@k / pass@k / maj@k."""
+"""Evaluation: sample k responses per problem (the engine's own generation, or the run's rollout function), score
+them, report avg@k / pass@k / maj@k."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from megatron_dapo.types import SamplingParams
 
 
 def run_eval(
-    engine,
+    rollouts,
     scorer,
     datasets: dict,
     e: EvalConfig,
@@ -19,7 +20,8 @@ def run_eval(
     seed: int,
     samples_out: list | None = None,
 ) -> dict[str, float]:
-    """``datasets``: name -> PromptDataset (one item per problem). Keys: ``eval/<name>/{avg,pass,maj}@k``.
+    """``rollouts``: how samples are made (``loop/rollout_fn.py``); ``datasets``: name -> PromptDataset (one item per
+    problem). Keys: ``eval/<name>/{avg,pass,maj}@k``.
     ``samples_out``: a list that receives one record per sample (problem, ground truth, response, score)."""
     records, counts = [], {}
     for name, data in datasets.items():
@@ -30,7 +32,8 @@ def run_eval(
             seed=seed,
         )
         items = list(data)
-        samples = engine.generate([it.prompt_ids for it in items], sampling, n=1 if e.greedy else e.n)
+        groups = rollouts.stream(items, sampling, 1 if e.greedy else e.n)
+        samples = sorted((s for g in groups for s in g), key=lambda s: (s.prompt_index, s.sample_index))
         results = scorer.score_batch([s.text for s in samples], [items[s.prompt_index] for s in samples])
         for s, r in zip(samples, results):
             records.append(
@@ -69,6 +72,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.loop.control import broadcast, is_driver, set_control_timeout
     from megatron_dapo.loop.rollout import RolloutDriver
+    from megatron_dapo.loop.rollout_fn import make_rollouts
     from megatron_dapo.models.arch import ArchConfig
     from megatron_dapo.reward.registry import RewardScorer
 
@@ -83,7 +87,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     results, samples = None, []
     if is_driver():
         results = run_eval(
-            rollout.engine,
+            make_rollouts(cfg, rollout.engine, tokenizer),
             RewardScorer.from_config(cfg.reward),
             datasets,
             cfg.eval,

@@ -40,6 +40,7 @@ from megatron_dapo.loop.control import (  # noqa: F401  (DriverError: this modul
 from megatron_dapo.loop.evaluate import run_eval
 from megatron_dapo.loop.phases import make_phases
 from megatron_dapo.loop.rollout import RolloutDriver
+from megatron_dapo.loop.rollout_fn import make_rollouts
 from megatron_dapo.loop.schedule import make_schedule
 from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
 from megatron_dapo.models.arch import load_arch
@@ -109,6 +110,8 @@ class Trainer:
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         # when samples are generated, on which weights (rollout.schedule): asked for each batch, told each version
         self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer, self.tokenizer)
+        # the held-out eval samples as training does (a rollout function's own numbers counted apart)
+        self.eval_rollouts = make_rollouts(cfg, self.rollout.engine, self.tokenizer) if is_driver() else None
         if self._resume_extra:
             self.schedule.load_state_dict(self._resume_extra)
         resume_log = self.start_step if self.resumed_from else False  # a fresh run keeps an old log as .prev
@@ -216,7 +219,7 @@ class Trainer:
         max_new = self.cfg.rollout.sampling.max_new_tokens
         return on_driver(
             lambda: run_eval(
-                self.rollout.engine,
+                self.eval_rollouts,
                 self.eval_scorer,
                 self.eval_data,
                 self.cfg.eval,
