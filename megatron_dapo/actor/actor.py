@@ -543,8 +543,8 @@ class MegatronActor:
         is neither used nor advanced."""
         for m in self.model:
             m.train()
-        mask = torch.cat([torch.ones(s.response_len) for s in seqs])
-        denominator = float(mask.sum())
+        mask = torch.cat([s.loss_mask.float() if s.loss_mask is not None else torch.ones(s.response_len) for s in seqs])
+        denominator = float(mask.sum())  # the tokens trained: a tool's output in the target is context only
         mbs = self._micro_batches(seqs)
         scale = len(mbs) * self.dp_size
 

@@ -163,8 +163,9 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet in the DAPO schema
     # generate a synthetic verifiable task instead of files: add2 (the demo), chain (variable-length reasoning),
     # chain_mix (the ablation toy: chains answered directly or written out, data/chain_mix.py), word_math (word
-    # problems in the DAPO prompt, for a real tokenizer: data/word_math.py)
-    synthetic: Literal["add2", "chain", "chain_mix", "word_math", "none"] = "none"
+    # problems in the DAPO prompt, for a real tokenizer: data/word_math.py), tool_mul (products a small model needs the
+    # calculator for: data/tool_mul.py)
+    synthetic: Literal["add2", "chain", "chain_mix", "word_math", "tool_mul", "none"] = "none"
     chain_max_terms: int = 7
     word_math_max_ops: int = 2  # word_math: steps per problem, 1..this
     synthetic_train_size: int = 20000

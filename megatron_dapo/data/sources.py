@@ -13,6 +13,8 @@ from megatron_dapo.data.chain_mix import DATA_SOURCE as CHAIN_MIX
 from megatron_dapo.data.chain_mix import make_chain_mix_datasets
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.synthetic import DATA_SOURCE, make_add2_datasets
+from megatron_dapo.data.tool_mul import DATA_SOURCE as TOOL_MUL
+from megatron_dapo.data.tool_mul import make_tool_mul_datasets
 from megatron_dapo.data.word_math import DATA_SOURCE as WORD_MATH
 from megatron_dapo.data.word_math import make_word_math_datasets
 
@@ -66,6 +68,15 @@ def build_prompt_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, dict
             cfg.train.seed,
             d.max_prompt_len,
             d.word_math_max_ops,
+            d.apply_chat_template,
+        )
+    elif d.synthetic == "tool_mul":  # a task the model needs the calculator for (the tool agent's example)
+        train, evals[TOOL_MUL] = make_tool_mul_datasets(
+            tokenizer,
+            d.synthetic_train_size,
+            d.synthetic_eval_size,
+            cfg.train.seed,
+            d.max_prompt_len,
             d.apply_chat_template,
         )
     else:

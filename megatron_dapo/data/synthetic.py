@@ -113,9 +113,20 @@ def supervised_target_text(ground_truth: str) -> str:
 def supervised_target_ids(tokenizer: Any, ground_truth: str, extra: dict | None = None) -> list[int]:
     """Token ids of the row's written-out solution (``extra_info.solution``, e.g. the chain task's running sums) or
     else :func:`supervised_target_text`, followed by the tokenizer's eos (for the warm start)."""
-    solution = ((extra or {}).get("extra_info") or {}).get("solution")
-    ids = tokenizer.encode(solution or supervised_target_text(ground_truth), add_special_tokens=False)
-    return [*ids, tokenizer.eos_token_id]
+    return supervised_target(tokenizer, ground_truth, extra)[0]
+
+
+def supervised_target(tokenizer: Any, ground_truth: str, extra: dict | None = None) -> tuple[list[int], list[int]]:
+    """The warm start's response ids and loss mask: ``extra_info.solution_parts`` (``[text, trained]`` pieces: a
+    tool's output is context, not trained) or the solution text (all trained), then the eos."""
+    info = (extra or {}).get("extra_info") or {}
+    parts = info.get("solution_parts") or [[info.get("solution") or supervised_target_text(ground_truth), 1]]
+    ids, mask = [], []
+    for text, trained in parts:
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return [*ids, tokenizer.eos_token_id], [*mask, 1]
 
 
 def stratified_take(pools: dict, size: int, short: str) -> list:

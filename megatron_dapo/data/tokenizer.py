@@ -23,6 +23,9 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 # Everything the compact synthetic task writes: "Q: 07+45=" -> " Answer: 52".
 CHAR_SYMBOLS = tuple("0123456789") + ("Q", ":", " ", "+", "=", "A", "n", "s", "w", "e", "r", "\n")
+# "char:tools": enough more to spell a tool call (data/tool_mul.py): the lowercase letters and JSON's punctuation
+TOOL_SYMBOLS = CHAR_SYMBOLS + tuple(c for c in 'abcdefghijklmnopqrstuvwxyz{}",*<>/_' if c not in CHAR_SYMBOLS)
+NAMED_SYMBOLS = {"char": CHAR_SYMBOLS, "char:tools": TOOL_SYMBOLS}
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 UNKNOWN = "<unk>"
 
@@ -65,7 +68,7 @@ class CharTokenizer:
                 if tid is None:
                     raise ValueError(
                         f"char tokenizer: character {ch!r} at position {pos + offset} of {text[:60]!r} is not in its "
-                        f"vocabulary {''.join(CHAR_SYMBOLS)!r}; it only serves the compact synthetic task "
+                        f"vocabulary {''.join(self.vocab[3:])!r}; it only serves the compact synthetic task "
                         "(set model.tokenizer to an HF tokenizer for real text)"
                     )
                 ids.append(tid)
@@ -162,13 +165,13 @@ def is_char_tokenizer_dir(path: str | Path) -> bool:
 
 
 def load_tokenizer(path: str | Path | None) -> Any:
-    """``None`` / ``"char"`` -> ``CharTokenizer``; a directory with ``char_tokenizer.json`` -> that char tokenizer;
+    """``None`` / ``"char"`` -> ``CharTokenizer``; ``"char:tools"`` -> one that spells tool calls; a directory with ``char_tokenizer.json`` -> that char tokenizer;
     anything else -> ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)`` (never the hub).
 
     HF tokenizers without a pad token get ``pad_token = eos_token`` (batched generation needs one).
     """
-    if path is None or str(path) == "char":
-        return CharTokenizer()
+    if path is None or str(path) in NAMED_SYMBOLS:
+        return CharTokenizer(NAMED_SYMBOLS[str(path or "char")])
     if is_char_tokenizer_dir(path):
         return CharTokenizer.from_pretrained(path)
     if not Path(path).exists():

@@ -231,7 +231,7 @@ class Trainer:
     def warm_start(self) -> None:
         """Supervised warm start on the synthetic task (demo): NLL on " Answer: N<eos>" until held-out accuracy is
         reached, the step budget is spent, or ``train.time_budget_s`` when RL gets no steps (a supervised baseline)."""
-        from megatron_dapo.data.synthetic import supervised_target_ids
+        from megatron_dapo.data.synthetic import supervised_target
 
         t = self.cfg.train
         score, started = 0.0, time.monotonic()
@@ -242,8 +242,10 @@ class Trainer:
             items = self.prompts.take(t.supervised_batch)
             seqs = []
             for it in items:
-                target = supervised_target_ids(self.tokenizer, it.ground_truth, it.extra)
-                seqs.append(Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids)))
+                target, mask = supervised_target(self.tokenizer, it.ground_truth, it.extra)
+                seq = Sequence(torch.tensor(it.prompt_ids + target), prompt_len=len(it.prompt_ids))
+                seq.loss_mask = torch.tensor(mask, dtype=torch.float32) if 0 in mask else None
+                seqs.append(seq)
             self.phases.to_train()
             m = self.actor.supervised_step(seqs, lr=t.supervised_lr)
             # accuracy jumps fast once it starts: check every 10 steps from half the target on, every 20 before

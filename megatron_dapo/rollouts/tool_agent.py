@@ -55,6 +55,21 @@ def parse_tool_calls(text: str, call_open: str = QWEN["call_open"], call_close: 
     return calls
 
 
+def _encode(client, text: str) -> list[int]:
+    """The tool turn's ids; a tokenizer that cannot spell some character of a tool's output (a small char tokenizer
+    meeting an error message) drops that character rather than ending the run."""
+    try:
+        return client.encode(text)
+    except ValueError:
+        ids = []
+        for ch in text:
+            try:
+                ids += client.encode(ch)
+            except ValueError:
+                continue
+        return ids
+
+
 def _toolset(tools: list, python: dict | None) -> dict:
     key = json.dumps([tools, python], sort_keys=True, default=str)
     if key not in _TOOLSETS:
@@ -104,7 +119,7 @@ def generate(
             outputs.append(out)
         text = fmt["tool_turn_open"]
         text += "".join(fmt["tool_response"].format(output=o) for o in outputs) + fmt["tool_turn_close"]
-        ids = client.encode(text)
+        ids = _encode(client, text)
         room = budget - len(response)
         if len(ids) >= room:  # no room left for the model to answer: the sample ends here
             cut = ids[:room]
