@@ -64,3 +64,30 @@ def test_a_rollout_function_runs_in_the_loop_and_single_turn_matches_the_engines
         for key in ("train/reward_mean", "train/acc_mean", "train/response_len_mean", "reward/scored"):
             assert a[key] == b[key], key
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+
+
+def test_the_tool_recipe_trains_through_the_tool_agent(tmp_path):
+    dapo(
+        "train",
+        "--recipe",
+        "tool_cpu",
+        "train.supervised_warmup_steps=0",
+        "algo.dynamic_sampling=false",  # an untrained model: every group wrong
+        "train.steps=2",
+        "train.batch_prompts=4",
+        "train.mini_batch_prompts=2",
+        "algo.gen_batch_prompts=4",
+        "algo.group_size=2",
+        "data.synthetic_train_size=100",
+        "data.synthetic_eval_size=4",
+        "eval.interval=2",
+        "eval.n=1",
+        "rollout.sampling.max_new_tokens=48",
+        f"train.run_dir={tmp_path}",
+        "train.name=tools",
+    )
+    rows = metrics(tmp_path / "tools")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["reward/scored"] == 8 and r["rollout/turns"] >= 1.0 and "rollout/used_tools" in r
+    assert "eval/synthetic/tool_mul/avg@1" in rows[-1]

@@ -94,3 +94,23 @@ def test_inserted_tokens_change_neither_the_loss_nor_the_gradient(make_actor):
     c = trained(make_actor, [1] * len(MASK), -0.1)
     d = trained(make_actor, [1] * len(MASK), -7.0)
     assert any(not torch.equal(c[k], d[k]) for k in c)
+
+
+def warm_started(make_actor, tail: list[int], masked: bool) -> dict[str, torch.Tensor]:
+    """Parameters after one supervised step on a response whose last tokens are ``tail`` (a tool's output)."""
+    from megatron_dapo.types import Sequence
+
+    actor = make_actor()
+    seq = Sequence(torch.tensor(PROMPT + [8, 9, 10] + tail), prompt_len=len(PROMPT))
+    seq.loss_mask = torch.tensor([1.0] * 3 + [0.0 if masked else 1.0] * len(tail))
+    actor.supervised_step([seq], lr=1e-2)
+    return {k: v.detach().clone() for k, v in actor.named_parameters()}
+
+
+def test_the_warm_start_does_not_train_a_tools_output(make_actor):
+    a = warm_started(make_actor, [11, 12, 13], masked=True)
+    b = warm_started(make_actor, [20, 21, 22], masked=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = warm_started(make_actor, [11, 12, 13], masked=False)  # planted: trained, and then it matters
+    d = warm_started(make_actor, [20, 21, 22], masked=False)
+    assert any(not torch.equal(c[k], d[k]) for k in c)
