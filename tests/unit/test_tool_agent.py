@@ -240,3 +240,19 @@ def test_single_turn_through_the_seam_equals_the_engines_own_generation():
     for a, b in zip(seam, fast):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
         assert a.loss_mask is None
+
+
+def test_rollout_function_settings_are_checked_up_front():
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.config.typed_yaml import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.partial = True: a rollout function"):
+        load_config(
+            "demo_cpu", ["rollout.generate=megatron_dapo.rollouts.single_turn:generate", "rollout.partial=true"]
+        )
+    with pytest.raises(ConfigError, match="rollout.generate_concurrency = 4 would be ignored: rollout.generate = null"):
+        load_config("demo_cpu", ["rollout.generate_concurrency=4"])
+    with pytest.raises(ConfigError, match=r"rollout.generate_args = \[1\]: expected a mapping"):
+        load_config("demo_cpu", ["rollout.generate=m:f", "rollout.generate_args=[1]"])
+    cfg = load_config("tool_cpu", ["rollout.generate_args.max_turns=3"])
+    assert cfg.rollout.generate_args["max_turns"] == 3 and cfg.rollout.generate_args["tools"] == ["calculator"]
