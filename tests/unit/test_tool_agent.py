@@ -64,8 +64,8 @@ class ScriptedEngine:
 class Client:
     """The seam's client without threads: what a rollout function sees."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, tokenizer=TOK):
+        self.engine, self.tokenizer = engine, tokenizer
 
     def generate(self, input_ids, max_new_tokens, seed=None):
         from megatron_dapo.types import GenRequest
@@ -73,10 +73,10 @@ class Client:
         return next(self.engine.generate_requests([GenRequest(list(input_ids), max_new_tokens, seed)], None))
 
     def encode(self, text):
-        return TOK.encode(text)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids):
-        return TOK.decode(ids)
+        return self.tokenizer.decode(ids)
 
 
 def item(tools=None, seed=7):

@@ -10,6 +10,7 @@ from megatron_dapo.data.tool_mul import AGENT_ARGS, CALL, tool_mul_splits
 from megatron_dapo.reward.registry import RewardScorer
 from megatron_dapo.rollouts import tool_agent
 from megatron_dapo.types import RolloutInput, Sample, SamplingParams
+from tests.unit.test_tool_agent import Client
 
 TOK = load_tokenizer("char:tools")
 
@@ -55,28 +56,12 @@ class CharEngine:
             yield Sample(list(r.input_ids), ids, [-0.1] * len(ids), "stop", prompt_index=i)
 
 
-class Client:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def generate(self, input_ids, max_new_tokens, seed=None):
-        from megatron_dapo.types import GenRequest
-
-        return next(self.engine.generate_requests([GenRequest(list(input_ids), max_new_tokens, seed)], None))
-
-    def encode(self, text):
-        return TOK.encode(text)
-
-    def decode(self, ids):
-        return TOK.decode(ids)
-
-
 def test_the_agent_runs_the_task_with_the_char_tokenizer_and_scores():
     _, evals = tool_mul_splits(10, 5, seed=1)
     ds = PromptDataset.from_rows(evals, TOK, max_prompt_len=16)
     for item in ds.items:
         inp = RolloutInput(item.prompt_ids, item.prompt_text, item.messages, item.ground_truth, item.extra, 0, 1)
-        out = tool_agent.generate(Client(CharEngine()), inp, SamplingParams(max_new_tokens=160), **AGENT_ARGS)
+        out = tool_agent.generate(Client(CharEngine(), TOK), inp, SamplingParams(max_new_tokens=160), **AGENT_ARGS)
         text = TOK.decode(out.response_ids, skip_special_tokens=True)
         assert out.metrics["tool_calls"] == 1 and out.metrics["tool_errors"] == 0, text
         assert RewardScorer().score(text, item)["acc"], text
