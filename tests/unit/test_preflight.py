@@ -112,7 +112,7 @@ def test_dapo_launch_probes_the_interpreter_its_steps_run(tmp_path):
     facts = probe_python(str(other), needs_for(load_config("demo_cpu", ["model.transformer_impl=transformer_engine"])))
     assert (facts.torch_cuda, facts.cuda_devices, facts.mcore) == (None, 0, "0.16.1")
     assert facts.imports["transformer_engine.pytorch"].startswith("ModuleNotFoundError")  # what the needs asked
-    with pytest.raises(PreflightError, match=r"/usr/bin/false -m megatron_dapo\.preflight failed"):
+    with pytest.raises(PreflightError, match=r"/usr/bin/false -m megatron_dapo\.launch\.preflight failed"):
         probe_python("/usr/bin/false", needs_for(load_config("demo_cpu")))
 
 

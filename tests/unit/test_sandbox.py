@@ -38,7 +38,7 @@ def run_files(tmp_path):
 
 def sandbox_processes() -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "dapo-sandbox" in line or "/work/main.py" in line]
+    return [line for line in out.splitlines() if "dapo-sandbox" in line or "-I -S main.py" in line]
 
 
 def hostile(run_file) -> dict[str, tuple[str, str]]:
