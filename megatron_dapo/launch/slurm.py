@@ -78,6 +78,9 @@ class Step:
     log: str  # the tasks' output (srun --output; %t = task rank)
     url: str | None = None  # server base URL (health at url + "/health")
     engine: dict | None = None  # a server's engine: index, node, base_gpu_id, tp, port, the trainer ranks feeding it
+    # the tasks' own variables, also in srun's environment: Slurm 22.05 keeps a variable srun inherits over the value
+    # `--export=ALL,K=V` gives it (a user's PYTHONPATH hid the server's stand-ins)
+    env: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -359,6 +362,7 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                 log,
                 f"http://{addr[node]}:{port}",
                 engine,
+                task_env,
             )
         )
 

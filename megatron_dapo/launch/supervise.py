@@ -70,7 +70,7 @@ class Supervisor:
 
     def start(self, step: Step) -> None:
         srun_log = f"{self.plan.log_dir}/{step.name}.srun.log"
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.plan.env
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.plan.env | step.env
         if step.role == "trainer" and self.api_key:
             env[API_KEY_ENV] = self.api_key  # servers read theirs from the args file
         with open(srun_log, "w") as f:

@@ -13,6 +13,7 @@ shown by tests/dist/test_control_plane.py.)
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -56,7 +57,11 @@ def _events(log: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_colocated_job_two_nodes_real_engines_per_node_sync(local_slurm, tmp_path):
+def test_colocated_job_two_nodes_real_engines_per_node_sync(local_slurm, tmp_path, monkeypatch):
+    # a user's own PYTHONPATH in the environment: the servers' (rollout.sglang_pythonpath) must still reach them
+    env = dict(local_slurm.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    monkeypatch.setattr(local_slurm, "env", env)
     hf = tmp_path / "hf_init"
     _hf_init(hf)
     logs, runs = tmp_path / "logs", tmp_path / "runs"
