@@ -60,6 +60,8 @@ def run_eval(
                     }
                 )
         counts.update({f"eval/{name}/problems": float(len(items)), f"eval/{name}/samples": float(len(samples))})
+        # a rollout function's own numbers on this set (turns, tool calls): eval/<name>/rollout/<key>
+        counts.update({f"eval/{name}/{k}": v for k, v in rollouts.metrics(reset=True).items()})
     return {**eval_metrics(records), **counts}
 
 

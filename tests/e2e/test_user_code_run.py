@@ -90,4 +90,4 @@ def test_the_tool_recipe_trains_through_the_tool_agent(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["reward/scored"] == 8 and r["rollout/turns"] >= 1.0 and "rollout/used_tools" in r
-    assert "eval/synthetic/tool_mul/avg@1" in rows[-1]
+    assert "eval/synthetic/tool_mul/avg@1" in rows[-1] and "eval/synthetic/tool_mul/rollout/used_tools" in rows[-1]
