@@ -66,3 +66,14 @@ def test_the_aime_eval_set_ships_with_the_repository():
     rows = pq.read_table(AIME).to_pylist()
     assert len(rows) == 960
     assert len({r["extra_info"]["index"] for r in rows}) == 30
+
+
+def test_no_tracked_symlink_leaves_the_repository():
+    """A symlink git tracks must point inside the checkout (a developer's ``.venv -> /elsewhere`` once got committed:
+    checking it out replaced the virtual environment by a link to itself)."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files", "-s", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    links = [entry.split("\t", 1)[1] for entry in out.decode().split("\0") if entry.startswith("120000")]
+    outside = [name for name in links if not (REPO / name).resolve().is_relative_to(REPO.resolve())]
+    assert not outside, f"tracked symlinks pointing outside the repository: {outside}"
