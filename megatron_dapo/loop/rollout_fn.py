@@ -43,9 +43,6 @@ class EngineRollouts:
     def metrics(self, reset: bool = False) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
-        pass
-
 
 class RolloutClient:
     """What a rollout function calls: token ids in, token ids and logprobs out; concurrent calls share one batch."""
@@ -195,9 +192,6 @@ class FunctionRollouts:
         if reset:
             self._sums.clear()
         return out
-
-    def close(self) -> None:
-        pass
 
 
 def make_rollouts(cfg: Any, engine, tokenizer: Any) -> EngineRollouts | FunctionRollouts:
