@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor.cpu import apply_cpu_shims
-from megatron_dapo.config.run_config import ParallelConfig, check_world_divides
+from megatron_dapo.config.run_config import ParallelConfig
+from megatron_dapo.config.validate import check_world_divides
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -31,8 +31,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config.run_config import DapoConfig, check_world_divides, load_config
+from megatron_dapo.config.run_config import DapoConfig, load_config
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.config.validate import check_world_divides
 from megatron_dapo.launch.health import health_timeout_s
 from megatron_dapo.launch.layout import (
     check_fits,

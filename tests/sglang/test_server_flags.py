@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.config.run_config import sglang_data_parallel
+from megatron_dapo.config.validate import sglang_data_parallel
 
 FORMS = [["--dp-size", "2"], ["--dp", "2"], ["--data-parallel-size", "3"], ["--dp-size=2"], ["--dp-s", "2"],
          ["--data-p", "2"], ["--dp-size", "1"], ["--attn-dp-size", "2"], ["--max-total-tokens", "2"], []]  # fmt: skip

@@ -122,7 +122,8 @@ def test_overrides_the_run_uses_and_recipe_keys_are_accepted():
 
 
 def test_parallel_sizes_that_do_not_divide_name_the_key():
-    from megatron_dapo.config.run_config import ParallelConfig, check_world_divides
+    from megatron_dapo.config.run_config import ParallelConfig
+    from megatron_dapo.config.validate import check_world_divides
     from megatron_dapo.models.arch import check_divisible
 
     tiny = load_arch("tiny")  # 2 layers, 2 KV groups, FFN 512

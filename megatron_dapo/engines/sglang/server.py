@@ -350,7 +350,7 @@ def _refuse_data_parallel(args: Sequence[str]) -> None:
     """SGLang's weight-update endpoints assert ``dp_size == 1`` (sglang/srt/managers/tokenizer_control_mixin.py): a
     server with ``--dp-size > 1`` would fail every sync. The check config validation runs for ``dapo launch``'s servers
     (``config.sglang_data_parallel``); start one server per rollout TP group instead."""
-    from megatron_dapo.config.run_config import sglang_data_parallel
+    from megatron_dapo.config.validate import sglang_data_parallel
 
     flag = sglang_data_parallel(list(args))
     if flag:

@@ -1,0 +1,302 @@
+"""Validation of a run configuration: impossible values, overrides a run would ignore, and server flags the weight sync
+cannot work with. Every error names the key and where it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_dapo.config.run_config import resolve_arch_path
+from megatron_dapo.config.typed_yaml import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_dapo.config.run_config import DapoConfig, ParallelConfig
+
+
+# Settings a run ignores under some other setting: key -> (ignored?, why). A command-line override of one of them is
+# an error (the user meant it to change the run); a recipe may keep them for when the other setting is switched.
+_SYNTHETIC = (lambda c: c.data.synthetic == "none", "data.synthetic = 'none'")
+_NO_WARMUP = (lambda c: not c.train.supervised_warmup_steps, "train.supervised_warmup_steps = 0")
+_NOT_SGLANG = (lambda c: c.rollout.engine != "sglang", "rollout.engine = {rollout.engine!r}")
+_NO_OVERLONG = (lambda c: not c.algo.overlong_penalty, "algo.overlong_penalty = false")
+_NO_REWARD_FN = (lambda c: c.reward.fn is None, "reward.fn = null (rows are scored by their data_source)")
+_GREEDY = (lambda c: c.eval.greedy, "eval.greedy = true (one greedy sample per problem)")
+_IGNORED_WHEN = {
+    "data.train_files": (
+        lambda c: c.data.synthetic != "none",
+        "data.synthetic = {data.synthetic!r} makes the prompts (set data.synthetic=none to use files)",
+    ),
+    "data.synthetic_train_size": _SYNTHETIC,
+    "data.synthetic_eval_size": _SYNTHETIC,
+    "data.synthetic_eval_split": (lambda c: c.data.synthetic != "chain_mix", "data.synthetic = {data.synthetic!r}"),
+    "data.word_math_max_ops": (lambda c: c.data.synthetic != "word_math", "data.synthetic = {data.synthetic!r}"),
+    "train.supervised_lr": _NO_WARMUP,
+    "train.supervised_batch": _NO_WARMUP,
+    "train.supervised_stop_acc": _NO_WARMUP,
+    "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
+    "rollout.server_urls": _NOT_SGLANG,
+    "rollout.sglang_tp": _NOT_SGLANG,
+    "rollout.mem_fraction": _NOT_SGLANG,
+    "rollout.fallback_hf": _NOT_SGLANG,
+    "rollout.max_concurrency": _NOT_SGLANG,
+    "rollout.fanout": _NOT_SGLANG,
+    "algo.overlong_cache": _NO_OVERLONG,
+    "algo.overlong_penalty_factor": _NO_OVERLONG,
+    "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
+    "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
+    "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
+    "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
+    "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
+    **{
+        f"reward.{k}": _NO_REWARD_FN
+        for k in ("batched", "workers", "timeout_s", "failure_score", "max_consecutive_failures")
+    },
+    "eval.n": _GREEDY,
+    "eval.temperature": _GREEDY,
+    "eval.top_p": _GREEDY,
+}
+
+
+def check_unused_overrides(cfg: DapoConfig, overrides: list[tuple[str, Any]]) -> None:
+    """An override the run would silently ignore is an error naming it and the setting that makes it unused."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # "{data.synthetic!r}" in the reasons
+    for key, value in overrides:
+        ignored, why = _IGNORED_WHEN.get(key, (lambda c: False, ""))
+        if ignored(cfg):
+            raise ConfigError(f"command line: {key} = {value!r} would be ignored: {why.format(**sections)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# SGLang server flags the weight sync cannot work with
+
+# every weight-update endpoint of SGLang 0.5.23 asserts get_parallel().dp_size == 1 (sglang/srt/managers/
+# tokenizer_control_mixin.py: init_weights_update_group, update_weights_from_distributed/_tensor/_ipc, ...)
+DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
+
+
+def sglang_data_parallel(args: list[str] | tuple[str, ...]) -> str | None:
+    """The flag in ``args`` that makes an SGLang server data-parallel (``--dp-size 2``, ``--dp=2``, or an abbreviation
+    SGLang's argparse accepts, ``--dp-s 2``), as written; None if there is none. One check for the servers the trainer
+    starts (``sglang_server.SGLangServer``) and those ``dapo launch`` starts (config validation, before any step)."""
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        full = len(flag) >= 4 and any(f.startswith(flag) for f in DP_FLAGS)  # argparse takes unique prefixes
+        if not full:
+            continue
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "1")
+        try:
+            if int(value) > 1:
+                return f"{flag} {value}"
+        except ValueError:
+            continue  # not a size: SGLang's own parser refuses it
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation of a whole run configuration
+
+
+def validate(cfg: DapoConfig, source: str = "config") -> None:
+    """Reject impossible values before any compute; every message names the key."""
+
+    def fail(key: str, value: Any, msg: str) -> None:
+        raise ConfigError(f"{source}: {key} = {value!r}: {msg}")
+
+    a, t, p, r, d = cfg.algo, cfg.train, cfg.parallel, cfg.rollout, cfg.data
+    if not 0 < a.eps_low < 1:
+        fail("algo.eps_low", a.eps_low, "must be in (0, 1)")
+    if a.eps_high <= 0:
+        fail("algo.eps_high", a.eps_high, "must be > 0")
+    if a.clip_c is not None and a.clip_c <= 1:
+        fail("algo.clip_c", a.clip_c, "dual-clip constant must be > 1 (or null to turn it off)")
+    if a.group_size < 1:
+        fail("algo.group_size", a.group_size, "must be >= 1")
+    if a.dynamic_sampling and a.group_size < 2:
+        fail("algo.group_size", a.group_size, "dynamic sampling needs at least 2 responses per prompt")
+    if a.adv_eps <= 0:
+        fail("algo.adv_eps", a.adv_eps, "must be > 0")
+    if a.overlong_penalty and a.overlong_cache <= 0:
+        fail("algo.overlong_cache", a.overlong_cache, "must be > 0 when algo.overlong_penalty is on")
+    if a.overlong_penalty and r.sampling.max_new_tokens <= a.overlong_cache:
+        fail(
+            "rollout.sampling.max_new_tokens",
+            r.sampling.max_new_tokens,
+            f"the max response length must exceed algo.overlong_cache ({a.overlong_cache})",
+        )
+    if a.tis_cap <= 0:
+        fail("algo.tis_cap", a.tis_cap, "must be > 0 (the cap C of the importance weights min(pi_old/pi_rollout, C))")
+    if a.gen_batch_prompts < 1:
+        fail("algo.gen_batch_prompts", a.gen_batch_prompts, "must be >= 1")
+    if not a.dynamic_sampling and a.gen_batch_prompts < t.batch_prompts:
+        fail("algo.gen_batch_prompts", a.gen_batch_prompts, f"must be >= train.batch_prompts ({t.batch_prompts})")
+    if t.batch_prompts < 1:
+        fail("train.batch_prompts", t.batch_prompts, "must be >= 1")
+    if t.mini_batch_prompts < 1 or t.batch_prompts % t.mini_batch_prompts:
+        fail("train.mini_batch_prompts", t.mini_batch_prompts, f"must divide train.batch_prompts ({t.batch_prompts})")
+    if t.lr <= 0:
+        fail("train.lr", t.lr, "must be > 0")
+    if t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        fail("train.min_lr", t.min_lr, f"must be in [0, train.lr = {t.lr}]")
+    for key in ("steps", "warmup_steps", "save_interval", "keep_checkpoints", "supervised_warmup_steps"):
+        if getattr(t, key) < 0:
+            fail(f"train.{key}", getattr(t, key), "must be >= 0")
+    if t.sample_budget < 0:
+        fail("train.sample_budget", t.sample_budget, "must be >= 0 (samples generated by RL; 0 = no budget)")
+    if t.time_budget_s < 0:
+        fail("train.time_budget_s", t.time_budget_s, "must be >= 0 (RL seconds; 0 = no budget)")
+    if t.grad_clip < 0:
+        fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    if not 0 <= t.weight_decay < 1:
+        fail("train.weight_decay", t.weight_decay, "must be in [0, 1)")
+    for key in ("tp", "pp", "cp"):
+        if getattr(p, key) < 1:
+            fail(f"parallel.{key}", getattr(p, key), "must be >= 1")
+    if p.max_tokens_per_micro_batch is not None and p.max_tokens_per_micro_batch < cfg.max_seq_len:
+        fail(
+            "parallel.max_tokens_per_micro_batch",
+            p.max_tokens_per_micro_batch,
+            f"must hold one full sequence (data.max_prompt_len + rollout.sampling.max_new_tokens = {cfg.max_seq_len})",
+        )
+    if p.logprob_chunk_tokens < 1:
+        fail("parallel.logprob_chunk_tokens", p.logprob_chunk_tokens, "must be >= 1")
+    if not p.collective_timeout_s > 0:
+        fail("parallel.collective_timeout_s", p.collective_timeout_s, "must be > 0 seconds")
+    s = r.sampling
+    if s.temperature < 0:
+        fail("rollout.sampling.temperature", s.temperature, "must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        fail("rollout.sampling.top_p", s.top_p, "must be in (0, 1]")
+    if s.max_new_tokens < 1:
+        fail("rollout.sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
+    if r.bucket_mb < 1:
+        fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
+    if r.hf_max_batch < 1:
+        fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
+    if r.partial_max_age < 1:
+        fail("rollout.partial_max_age", r.partial_max_age, "must be >= 1 (weight versions a carried group may lag)")
+    if r.max_staleness < 1:
+        fail("rollout.max_staleness", r.max_staleness, "must be >= 1 (weight versions the producer may run ahead)")
+    if r.schedule != "sync" and r.colocate:
+        fail(
+            "rollout.schedule",
+            r.schedule,
+            "with rollout.colocate = true the engines share the trainer's devices and release their memory while it "
+            "trains (loop/phases.py), so nothing can generate meanwhile: use rollout.schedule=sync (with "
+            "rollout.partial=true if you like), or rollout.colocate=false (SGLang: servers on their own GPUs, from "
+            "rollout.server_urls or cluster.placement=disaggregated; the hf engine: its own copy of the weights, "
+            "generating in a thread)",
+        )
+    # engines/sglang/client.py from_config: without server_urls the trainer starts one server itself, with SGLang's
+    # default --base-gpu-id 0, i.e. on the trainer's own GPUs; uncolocated it never releases their memory. A CPU
+    # server runs on cores (nothing shared to release), and under the disaggregated placement `dapo launch` starts
+    # the servers on cluster.rollout_nodes and hands their URLs to the trainer.
+    colocated_layout = cfg.cluster.placement == "colocated"
+    # a server told which GPUs to use (--base-gpu-id, CUDA_VISIBLE_DEVICES) is the user's choice: one node's async
+    own_gpus = "--base-gpu-id" in r.sglang_args or any(kv.startswith("CUDA_VISIBLE_DEVICES=") for kv in r.sglang_env)
+    if (
+        r.engine == "sglang"
+        and r.sglang_device == "cuda"
+        and not r.colocate
+        and not r.server_urls
+        and colocated_layout
+        and not own_gpus
+    ):
+        fail(
+            "rollout.colocate",
+            r.colocate,
+            "with rollout.server_urls empty the trainer would start its SGLang server on its own GPUs (GPU 0 on, "
+            "never releasing their memory): set rollout.server_urls=[URL, ...] (servers started on other GPUs or "
+            "nodes), or cluster.placement=disaggregated with cluster.rollout_nodes and run `dapo launch` (it "
+            "starts the servers on their own nodes), or rollout.sglang_args=[--base-gpu-id, N] (GPUs the trainer does "
+            "not use), or rollout.colocate=true with rollout.schedule=sync",
+        )
+    if r.max_concurrency < 1:
+        fail("rollout.max_concurrency", r.max_concurrency, "must be >= 1 (requests in flight per server)")
+    if r.max_restarts_per_step < 0:
+        fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
+    if not 0 < r.mem_fraction < 1:
+        fail("rollout.mem_fraction", r.mem_fraction, "must be in (0, 1)")
+    if r.engine == "hf" and r.weight_sync != "copy":
+        fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
+    if r.engine == "sglang" and r.weight_sync == "copy":
+        fail("rollout.weight_sync", r.weight_sync, "sglang needs tensor, distributed or disk")
+    dp_flag = sglang_data_parallel(r.sglang_args)
+    if dp_flag:
+        fail(
+            "rollout.sglang_args",
+            r.sglang_args,
+            f"{dp_flag}: every weight update of SGLang asserts dp_size == 1 (tokenizer_control_mixin.py); for more "
+            "replicas use more servers: dapo launch starts one per rollout.sglang_tp GPUs, or list them in "
+            "rollout.server_urls",
+        )
+    # NCCL src/init.cc (initTransportsRank): "Duplicate GPU detected : rank %d and rank %d both on CUDA device" ->
+    # ncclInvalidUsage, when two ranks of one communicator share a bus id; a gloo group (CPU servers) has no such rule
+    if r.engine == "sglang" and r.colocate and r.sglang_device == "cuda" and r.weight_sync == "distributed":
+        fail(
+            "rollout.weight_sync",
+            r.weight_sync,
+            "with rollout.colocate = true the sync group would hold trainer rank 0 and SGLang's TP rank 0 on one "
+            "GPU, and NCCL refuses two ranks of a group on one device: use rollout.weight_sync=tensor (CUDA IPC, "
+            "for colocated servers) or disk, or rollout.colocate=false with cluster.placement=disaggregated",
+        )
+    if r.control_timeout_s < r.server_timeout_s:
+        fail(
+            "rollout.control_timeout_s",
+            r.control_timeout_s,
+            f"the other ranks wait this long on the control plane while rank 0 starts its servers: must be >= "
+            f"rollout.server_timeout_s ({r.server_timeout_s})",
+        )
+    for kv in r.sglang_env:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            fail("rollout.sglang_env", kv, "entries are KEY=VALUE")
+    if r.sglang_device == "cpu" and r.sglang_deterministic:
+        fail(
+            "rollout.sglang_deterministic",
+            r.sglang_deterministic,
+            "SGLang's deterministic inference needs a GPU attention backend (on a CPU it only has torch_native)",
+        )
+    if r.engine == "sglang" and not r.server_urls:
+        for path in r.sglang_pythonpath:
+            if not Path(path).is_dir():
+                fail("rollout.sglang_pythonpath", path, f"not a directory (relative to {Path.cwd()})")
+    if d.max_prompt_len < 1:
+        fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
+    if d.synthetic_eval_split == "dev" and d.synthetic != "chain_mix":
+        fail("data.synthetic_eval_split", d.synthetic_eval_split, "only data.synthetic = chain_mix has a dev split")
+    if d.word_math_max_ops < 1:
+        fail("data.word_math_max_ops", d.word_math_max_ops, "must be >= 1")
+    if d.synthetic == "none" and not d.train_files:
+        fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
+    if cfg.eval.n < 1:
+        fail("eval.n", cfg.eval.n, "must be >= 1")
+    if r.generate is not None and r.partial:
+        fail("rollout.partial", r.partial, "a rollout function (rollout.generate) runs without partial rollout so far")
+    if r.generate_concurrency < 1:
+        fail("rollout.generate_concurrency", r.generate_concurrency, "must be >= 1")
+    rw = cfg.reward
+    if rw.workers < 0:
+        fail("reward.workers", rw.workers, "must be >= 0 (0 = in the trainer's process)")
+    if rw.timeout_s <= 0:
+        fail("reward.timeout_s", rw.timeout_s, "must be > 0")
+    if rw.max_consecutive_failures < 1:
+        fail("reward.max_consecutive_failures", rw.max_consecutive_failures, "must be >= 1")
+    c = cfg.cluster
+    if c.placement == "disaggregated" and not 0 < c.rollout_nodes < c.nodes:
+        fail(
+            "cluster.rollout_nodes",
+            c.rollout_nodes,
+            f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})",
+        )
+    resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
+
+
+def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
+    mp = parallel.tp * parallel.pp * parallel.cp
+    if world % mp:
+        raise ConfigError(
+            f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
+            f"{what}"
+        )
