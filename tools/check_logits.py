@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Compare a Megatron checkpoint's logits with the HF model's on the same prompts (fp32).
 
-    python tools/check_logits.py --hf DIR --megatron DIR --tp 2 --pp 2 [--prompts FILE] [--tol 1e-4]
+    python tools/check_logits.py --hf DIR --megatron DIR --tp 2 --pp 2 [--ep 2] [--prompts FILE] [--tol 1e-4]
 
-The Megatron side runs under ``torchrun`` (gloo on CPU, TP × PP processes) through megatron-core's pipeline schedule;
+The Megatron side runs under ``torchrun`` (gloo on CPU, TP × EP × PP processes: EP for a mixture of experts) through megatron-core's pipeline schedule;
 the HF side is ``transformers`` in fp32. Prints max |Δlogit| and top-1 agreement; exits 1 above ``--tol``, 2 on bad
 input. Prompts: one per line in FILE, tokenized with the HF directory's tokenizer (or whitespace-separated token ids
 when it has none); by default a few fixed sentences, or random token ids for a model without a tokenizer.
@@ -73,7 +73,7 @@ def load_prompts(hf_dir: Path, prompts_file: str | None, vocab_size: int) -> lis
 # Megatron side (one torchrun process per TP × PP rank)
 
 
-def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> None:
+def worker(ckpt: str, tp: int, pp: int, ep: int, prompts_path: str, out_path: str) -> None:
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -87,11 +87,13 @@ def worker(ckpt: str, tp: int, pp: int, prompts_path: str, out_path: str) -> Non
     from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
 
     arch, _ = read_meta(ckpt)
-    parallel = ParallelConfig(tp=tp, pp=pp)
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep)
     init_distributed(parallel)
     seed_everything(0)
     model_cfg = ModelConfig(dtype="fp32")
-    chunks = build_model(arch, model_cfg, parallel)
+    chunks = build_model(arch, model_cfg, parallel, training=False)
+    for chunk in chunks:
+        chunk.eval()  # inference (megatron-core's MoE layer refuses TP > 1 without sequence parallel in training)
     # Model-only load through the actor's checkpoint code (canonical keys, any TP/PP).
     actor_ckpt.load(SimpleNamespace(model=[SimpleNamespace(module=c) for c in chunks], arch=arch), ckpt, False)
     device = next(chunks[0].parameters()).device
@@ -139,14 +141,16 @@ def _worker_error(log: str, lines: int = 40) -> str:
     return "\n".join(rows[start : start + lines])
 
 
-def megatron_logits(ckpt: Path, tp: int, pp: int, prompts: list[list[int]], timeout_s: float = 1200) -> list:
+def megatron_logits(
+    ckpt: Path, tp: int, pp: int, prompts: list[list[int]], timeout_s: float = 1200, ep: int = 1
+) -> list:
     with tempfile.TemporaryDirectory(prefix="check_logits-") as tmp:
         prompts_path, out_path = Path(tmp, "prompts.pt"), Path(tmp, "logits.pt")
         torch.save(prompts, prompts_path)
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}",
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * ep}",
             f"--master-port={_free_port()}", "--master-addr=127.0.0.1", __file__, "--worker",
-            "--megatron", str(ckpt), "--tp", str(tp), "--pp", str(pp),
+            "--megatron", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
             "--prompts-pt", str(prompts_path), "--out", str(out_path),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -183,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--megatron", required=True, help="megatron-dapo checkpoint directory")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (a mixture of experts)")
     ap.add_argument("--prompts", help="text file, one prompt per line")
     ap.add_argument("--tol", type=float, default=1e-4, help="max allowed |Δlogit|")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.megatron, args.tp, args.pp, args.prompts_pt, args.out)
+        worker(args.megatron, args.tp, args.pp, args.ep, args.prompts_pt, args.out)
         return 0
 
     from megatron_dapo.bridge.convert import read_meta
@@ -207,17 +212,17 @@ def main(argv=None) -> int:
         compare_arch(
             arch, arch_from_hf(read_hf_config(hf_dir), source=f"{hf_dir}/config.json"), f"{hf_dir}/config.json"
         )
-        check_divisible(arch, args.tp, args.pp)
+        check_divisible(arch, args.tp, args.pp, ep=args.ep)
         prompts = load_prompts(hf_dir, args.prompts, arch.vocab_size)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    mg = megatron_logits(ckpt, args.tp, args.pp, prompts)
+    mg = megatron_logits(ckpt, args.tp, args.pp, prompts, ep=args.ep)
     ref = hf_logits(hf_dir, prompts)
     max_diff, agree, total = compare(ref, mg)
     ok = max_diff <= args.tol
     print(
-        f"tp={args.tp} pp={args.pp} prompts={len(prompts)} tokens={total}: max |Δlogit| = {max_diff:.3e} "
+        f"tp={args.tp} pp={args.pp} ep={args.ep} prompts={len(prompts)} tokens={total}: max |Δlogit| = {max_diff:.3e} "
         f"(tol {args.tol:g}), top-1 agreement {agree}/{total} ({100.0 * agree / max(total, 1):.1f}%) "
         f"-> {'OK' if ok else 'FAIL'}"
     )

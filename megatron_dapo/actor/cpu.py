@@ -128,8 +128,33 @@ class _CpuStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, _event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    """Stands in for a ``torch.cuda.Event`` recorded on the CPU stream: already complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, _stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
 
 _CPU_STREAM = _CpuStream()
+
+
+def _split_sizes_on_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors: upstream returns a CPU tensor as is, ignoring
+    ``as_numpy``; the alltoall dispatcher asks for numpy split sizes (token_dispatcher.py ``_maybe_dtoh_and_synchronize``)
+    and hands them to ``all_to_all_single`` as Python sizes."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _cpu_current_stream(*_args, **_kwargs) -> _CpuStream:
@@ -147,6 +172,8 @@ def apply_cpu_shims() -> bool:
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tp_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.utils as core_utils
 
     # torch.cuda.current_device(): rotary embeddings (RotaryEmbedding.get_freqs_non_repeated), the global memory
@@ -171,5 +198,13 @@ def apply_cpu_shims() -> bool:
     # Tensor.cuda(): LanguageModule.setup_embeddings_and_output_layer moves the tied embedding copy of the last
     # pipeline stage to CUDA before all-reducing it with the first stage's (PP > 1 with tied embeddings).
     torch.Tensor.cuda = _tensor_stays_on_cpu
+    # MoE. moe_utils imports te_general_gemm inside a try that fails without TE, and RouterGatingLinearFunction reads it
+    # anyway (moe_utils.py: `if te_general_gemm is not None and router_dtype != torch.float64`): a NameError.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # MoEAlltoAllTokenDispatcher.__init__ creates its device-to-host stream once, class-wide: `torch.cuda.Stream()`
+    # (token_dispatcher.py); on the CPU stream current_stream() == it, so its copies run inline.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_cpu
     _APPLIED = True
     return True

@@ -58,6 +58,8 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> None
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.tp,
         # megatron-core's own groups (TP, PP, DP, ...) take this, not the default group's timeout: 30 min unless told
         # (parallel_state.py initialize_model_parallel, `timeout = timedelta(minutes=distributed_timeout_minutes)`)
         distributed_timeout_minutes=timeout_s / 60,

@@ -73,16 +73,22 @@ def describe_spec(model_cfg: ModelConfig) -> str:
     return f"actor: megatron-core local layer spec ({reason}), padded [B, L] micro-batches{warn}"
 
 
-def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchConfig) -> None:
-    """Errors for parallel settings this machine or this architecture cannot run, naming the key."""
+def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchConfig, training: bool = True) -> None:
+    """Errors for parallel settings this machine or this architecture cannot run (or train), naming the key."""
     te = use_transformer_engine(model_cfg)
     if parallel.cp > 1 and not te:
         raise ConfigError(f"parallel.cp = {parallel.cp}: context parallel needs Transformer Engine attention (GPU)")
     if parallel.sequence_parallel and not te:
         raise ConfigError("parallel.sequence_parallel = true: needs Transformer Engine (GPU)")
+    if training and arch.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp = {parallel.tp} with a mixture of experts: megatron-core trains MoE layers under TP only with "
+            "sequence parallelism (transformer/moe/moe_layer.py MoELayer.forward): set parallel.sequence_parallel=true "
+            "(GPU), or split the experts with parallel.ep and keep tp = 1"
+        )
     if model_cfg.fp8 and not te:
         raise ConfigError(f"model.fp8 = {model_cfg.fp8!r}: FP8 needs Transformer Engine (GPU)")
-    check_divisible(arch, parallel.tp, parallel.pp, prefix="parallel.")
+    check_divisible(arch, parallel.tp, parallel.pp, prefix="parallel.", ep=parallel.ep)
 
 
 def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig):
@@ -99,6 +105,8 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
         kwargs.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
     if not te:  # the local spec's RoPE takes explicit positions: see position_embedding_type()
         kwargs.update(mrope_section=[arch.head_dim // 2])
+    if arch.is_moe:
+        kwargs.update(moe_kwargs(arch, model_cfg, parallel))
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -140,6 +148,28 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
     )
 
 
+def moe_kwargs(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+    """megatron-core's MoE settings for an architecture with experts: dropless top-k routing with the router in fp32,
+    the alltoall dispatcher (set for every model above), experts as a ``SequentialMLP`` (one SwiGLU MLP per expert:
+    the names the bridge maps), MoE and dense layers where ``ArchConfig.moe_layers`` says (always a list: one
+    checkpoint key per layer, see ``models.mapping.checkpoint_axes``)."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_topk,
+        # norm_topk_prob: softmax over the k chosen logits (= renormalised top-k of a full softmax); else softmax first
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_layer_freq=arch.moe_layer_pattern(),
+        moe_router_load_balancing_type="aux_loss" if model_cfg.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.tp,
+    )
+
+
 def layer_spec(model_cfg: ModelConfig, qk_layernorm: bool = False):
     """The layer spec; ``qk_layernorm`` adds ``self_attention.q_layernorm`` / ``k_layernorm`` (TENorm in the TE spec,
     torch RMSNorm in the local one: megatron-core 0.16.1 gpt_layer_specs.py, both ``get_gpt_layer_*_spec``)."""
@@ -165,16 +195,25 @@ def model_position_ids(pos: torch.Tensor, model_cfg: ModelConfig) -> torch.Tenso
     return pos if position_embedding_type(model_cfg) == "rope" else pos.expand(3, *pos.shape)
 
 
-def build_model(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> list[torch.nn.Module]:
-    """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized."""
+def build_model(
+    arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig, training: bool = True
+) -> list[torch.nn.Module]:
+    """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized.
+    ``training=False``: a model only run forward in eval mode (``tools/check_logits.py``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    check_parallel(parallel, model_cfg, arch)
+    check_parallel(parallel, model_cfg, arch, training)
     config = transformer_config(arch, model_cfg, parallel)
+    if arch.is_moe:  # per-layer specs: MoE layers and dense ones (megatron-core models/gpt/gpt_layer_specs.py)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine(model_cfg), normalization="RMSNorm")
+    else:
+        spec = layer_spec(model_cfg, arch.qk_layernorm)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg, arch.qk_layernorm),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

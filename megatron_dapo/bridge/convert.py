@@ -40,7 +40,7 @@ from megatron_dapo.bridge.reshard import check_divisible
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, compare_arch, load_arch
 from megatron_dapo.models.hf_config import arch_from_hf, hf_from_arch, read_hf_config
-from megatron_dapo.models.mapping import Param, checkpoint_key
+from megatron_dapo.models.mapping import Param, checkpoint_axes
 from megatron_dapo.models.registry import table_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -234,7 +234,7 @@ def _progress(enabled: bool):
 
 
 def plan_hf_to_megatron(
-    hf_dir: str | Path, model_config: str | Path | ArchConfig | None = None, tp: int = 1, pp: int = 1
+    hf_dir: str | Path, model_config: str | Path | ArchConfig | None = None, tp: int = 1, pp: int = 1, ep: int = 1
 ):
     """Validate an HF checkpoint against the model config (and the target TP/PP); nothing is written.
 
@@ -249,7 +249,7 @@ def plan_hf_to_megatron(
     if model_config is not None:
         arch = model_config if isinstance(model_config, ArchConfig) else load_arch(model_config)
         compare_arch(arch, hf_arch, str(hf_dir / "config.json"))
-    check_divisible(arch, tp, pp)
+    check_divisible(arch, tp, pp, ep=ep)
     files = hf_weight_files(hf_dir)
     entries: dict[str, StEntry] = {}
     for f in files:
@@ -283,23 +283,23 @@ def hf_to_megatron(
     dtype: str | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    ep: int = 1,
 ) -> ArchConfig:
-    """Convert an HF checkpoint into a model-only megatron-core checkpoint loadable at any TP/PP.
+    """Convert an HF checkpoint into a model-only megatron-core checkpoint loadable at any TP/PP/EP.
 
-    ``tp``/``pp`` are checked for divisibility only: the checkpoint itself holds global tensors.
+    ``tp``/``pp``/``ep`` are checked for divisibility only: the checkpoint itself holds global tensors.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    arch, entries, files = plan_hf_to_megatron(hf_dir, model_config, tp, pp)
+    arch, entries, files = plan_hf_to_megatron(hf_dir, model_config, tp, pp, ep)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
     dtype = dtype or _hf_dtype(hf_dir, entries)
     check_output_dir(out, overwrite)
     table = table_for(arch)
     by_hf = table.by_hf(arch)
-    L = arch.num_layers  # noqa: N806
     with staged_output(out) as tmp, single_process_group(), _progress(progress) as bar:
         use_forked_results_queue()
         task = bar.add_task(f"HF → Megatron ({len(files)} shards)", total=len(files))
@@ -311,20 +311,18 @@ def hf_to_megatron(
                 for name in names:
                     param, src = by_hf[name]
                     t = read_st_tensor(entries[name], fh).to(DTYPES[dtype])
-                    key, layer = checkpoint_key(param.megatron)
+                    key, axes = checkpoint_axes(param)
                     pieces = param.pieces(src, t)
                     frags = len(param.layout())
                     for frag, piece in pieces:
                         piece = piece.clone() if frags > 1 else piece  # no views: dist_checkpointing would copy
-                        offsets = []
-                        if layer is not None:
-                            offsets.append((0, layer, L))
+                        offsets = [(i, index, count) for i, (index, count) in enumerate(axes)]
                         if frags > 1:
                             offsets.append((len(offsets), frag, frags))
-                        # The layer axis is a real leading dim of size 1 (not prepend_axis_num): the same stored
-                        # chunks as GPTModel's, and a partial save (some layers / pieces only) is allowed.
-                        data = piece.unsqueeze(0) if layer is not None else piece
-                        sharded[f"{key}/{layer}/{frag}"] = ShardedTensor.from_rank_offsets(
+                        # Each leading axis (layer, expert) is a real dim of size 1 (not prepend_axis_num): the same
+                        # stored chunks as GPTModel's, and a partial save (some layers / pieces only) is allowed.
+                        data = piece.reshape((1,) * len(axes) + tuple(piece.shape))
+                        sharded[f"{key}/{param.layer}/{param.expert}/{frag}"] = ShardedTensor.from_rank_offsets(
                             key, data, *offsets, replica_id=0
                         )
                     del t, pieces
@@ -337,7 +335,7 @@ def hf_to_megatron(
         _merge_dcp_parts(parts, tmp)
         for p in parts:
             shutil.rmtree(p)
-        write_meta(tmp, arch, dtype, kind="model", tp=tp, pp=pp, source=str(hf_dir.resolve()))
+        write_meta(tmp, arch, dtype, kind="model", tp=tp, pp=pp, ep=ep, source=str(hf_dir.resolve()))
     return arch
 
 
@@ -386,7 +384,7 @@ def _merge_dcp_parts(parts: list[Path], dest: Path) -> None:
 
 
 def _ckpt_layout(ckpt_dir: Path, arch: ArchConfig) -> dict[str, tuple]:
-    """For every parameter: (checkpoint key, layer index along the stacked axis or None, stored shape, dtype).
+    """For every parameter: (checkpoint key, its (index, count) on the leading axes, stored shape, dtype).
 
     Accepts the actor's canonical keys and megatron-core's own (TE-spelled) keys, stacked or one key per layer;
     raises one error listing missing / unexpected / wrongly shaped model tensors.
@@ -405,25 +403,27 @@ def _ckpt_layout(ckpt_dir: Path, arch: ArchConfig) -> dict[str, tuple]:
         expected[p.megatron] = want
         found = None
         for te in (False, True):
-            key, layer = checkpoint_key(p.megatron, te)
-            if layer is None and key in shapes:
-                found = (key, None, shapes[key])
-            elif layer is not None and key in shapes:
-                if shapes[key][0] != arch.num_layers:
-                    raise ConfigError(f"{ckpt_dir}: {key}: {shapes[key][0]} layers stored, model has {arch.num_layers}")
-                found = (key, layer, shapes[key][1:])
-            elif layer is not None and key.replace("layers.", f"layers.{layer}.", 1) in shapes:
-                key = key.replace("layers.", f"layers.{layer}.", 1)
-                found = (key, None, shapes[key])
+            key, axes = checkpoint_axes(p, te)
+            if key in shapes:
+                stored = shapes[key]
+                counts = tuple(count for _, count in axes)
+                if stored[: len(axes)] != counts:
+                    what = "layers" if not p.arch.is_moe else "experts"
+                    raise ConfigError(f"{ckpt_dir}: {key}: {stored[0]} {what} stored, model has {counts[0]}")
+                found = (key, axes, stored[len(axes) :])
+            elif axes and not p.arch.is_moe:  # a dense model saved one key per layer
+                key = key.replace("layers.", f"layers.{p.layer}.", 1)
+                if key in shapes:
+                    found = (key, (), shapes[key])
             if found:
                 break
         if found is None:
             continue
-        key, idx, got = found
+        key, axes, got = found
         if p.mapping.vocab and len(got) == len(want) and got[0] >= arch.vocab_size and got[1:] == want[1:]:
             got = want  # vocabulary rows padded for TP: stripped on conversion
         present[p.megatron] = got
-        layout[p.megatron] = (key, idx, shapes[key], dtypes[key])
+        layout[p.megatron] = (key, axes, shapes[key], dtypes[key])
     model_keys = re.compile(r"^(embedding|decoder|output_layer)\.")
     known = {v[0] for v in layout.values()}
     stray = [k for k in shapes if model_keys.match(k) and k not in known and not k.endswith("_extra_state")]
@@ -440,16 +440,13 @@ def _load_params(ckpt_dir: Path, params: list[Param], layout: dict) -> dict[str,
 
     sharded = {}
     for p in params:
-        key, idx, shape, dtype = layout[p.megatron]
-        if idx is None:
-            t = torch.empty(shape, dtype=dtype)
-            sharded[p.megatron] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
-        else:
-            # A real leading layer dim of 1 (not prepend_axis_num), so that a subset of the layers can be read.
-            t = torch.empty((1, *shape[1:]), dtype=dtype)
-            sharded[p.megatron] = ShardedTensor.from_rank_offsets(key, t, (0, idx, shape[0]), replica_id=0)
+        key, axes, shape, dtype = layout[p.megatron]
+        # A real leading dim of 1 per axis (not prepend_axis_num), so that a subset of the layers can be read.
+        t = torch.empty((1,) * len(axes) + tuple(shape[len(axes) :]), dtype=dtype)
+        offsets = [(i, index, count) for i, (index, count) in enumerate(axes)]
+        sharded[p.megatron] = ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=0)
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir), validate_access_integrity=False)
-    return {name: loaded[name][0] if layout[name][1] is not None else loaded[name] for name in sharded}
+    return {name: loaded[name].reshape(loaded[name].shape[len(layout[name][1]) :]) for name in sharded}
 
 
 class _ShardWriter:

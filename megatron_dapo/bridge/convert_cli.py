@@ -11,10 +11,10 @@ import warnings
 def hf_to_megatron_main(argv=None) -> int:
     """HF safetensors checkpoint → megatron-core dist checkpoint (model only) that the actor loads at any TP/PP.
 
-        dapo convert hf-to-megatron --hf DIR --out DIR --tp 2 --pp 2 [--model-config qwen2.5-7b] [--dtype bf16]
+        dapo convert hf-to-megatron --hf DIR --out DIR --tp 2 --pp 2 [--ep 2] [--model-config qwen2.5-7b] [--dtype bf16]
 
     The model config (a name in model_configs/ or a YAML path) is derived from config.json when not given; when given,
-    config.json must match it. --tp/--pp are checked for divisibility (the checkpoint itself holds global tensors).
+    config.json must match it. --tp/--pp/--ep are checked for divisibility (the checkpoint itself holds global tensors).
     Everything is validated before anything is written; a bad input prints one line naming the culprit and exits 2.
     """
     ap = argparse.ArgumentParser(
@@ -25,6 +25,7 @@ def hf_to_megatron_main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output checkpoint directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check the architecture against")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check the architecture against")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size to check the architecture against (MoE)")
     ap.add_argument("--model-config", help="architecture name (model_configs/) or YAML path; default: from config.json")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], help="stored dtype; default: the HF checkpoint's")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -38,12 +39,13 @@ def hf_to_megatron_main(argv=None) -> int:
 
     try:
         arch = hf_to_megatron(
-            args.hf, args.out, args.model_config, args.tp, args.pp, args.dtype, args.overwrite, progress=not args.quiet
+            args.hf, args.out, args.model_config, args.tp, args.pp, args.dtype, args.overwrite, not args.quiet, args.ep
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} ({arch.family}, {arch.num_layers} layers, vocab {arch.vocab_size})")
+    experts = f", {arch.num_experts} experts" if arch.is_moe else ""
+    print(f"wrote {args.out} ({arch.family}, {arch.num_layers} layers{experts}, vocab {arch.vocab_size})")
     return 0
 
 

@@ -26,6 +26,7 @@ def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: b
         entries.update(read_st_header(f))
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     model = model_chunks[0].module if hasattr(model_chunks[0], "module") else model_chunks[0]
     own = dict(model.named_parameters())
 
@@ -36,8 +37,8 @@ def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: b
         return split_tp(p, p.to_megatron([read_st_tensor(entries[n]) for n in p.hf]), tp)[tp_rank]
 
     loaded = 0
-    for p in stage_params(arch, pp, stage):
-        name = local_name(p, pp, te)
+    for p in stage_params(arch, pp, stage, ep, ep_rank):
+        name = local_name(p, pp, te, ep)
         target = own[name]
         value = shard(p)
         if tuple(value.shape) != tuple(target.shape):

@@ -2,7 +2,8 @@
 
 Offline: ``split_tp`` / ``merge_tp`` (by the parameter's mapping: column/vocab parallel along dim 0, row parallel along
 dim 1, norms replicated, SwiGLU fc1 as ``[gate_shard; up_shard]`` per rank, QKV by whole query groups), PP stage
-assignment of layers (layers split evenly; ``stage_of_layer`` / ``global_layer``), and whole-model ``split_model`` /
+assignment of layers (layers split evenly; ``stage_of_layer`` / ``global_layer``), EP assignment of experts
+(``ep_rank_of_expert``: consecutive blocks of experts / EP), and whole-model ``split_model`` /
 ``gather_model``. Online: ``gather_tp`` all-gathers one parameter over the tensor-parallel group.
 
 Full tensors here are *unpadded* (the real vocabulary, ``ArchConfig.vocab_size``); TP shards of vocab-parallel tensors
@@ -10,6 +11,8 @@ are padded to ``padded_vocab_size(vocab, tp)`` exactly as megatron-core pads the
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -84,10 +87,20 @@ def global_layer(stage: int, local: int, num_layers: int, pp: int) -> int:
     return stage * (num_layers // pp) + local
 
 
-def stage_params(arch: ArchConfig, pp: int, stage: int) -> list[Param]:
-    """The parameters stored on one PP stage (the tied output-layer copy is not a ``Param``: see ``split_model``)."""
+def ep_rank_of_expert(expert: int, arch: ArchConfig, ep: int) -> tuple[int, int]:
+    """Global expert index → (EP rank, local expert index): each EP rank holds experts / EP consecutive experts
+    (megatron-core ``SequentialMLP``: global index = ep_rank · num_local_experts + local index)."""
+    per = arch.num_experts // ep
+    return expert // per, expert % per
+
+
+def stage_params(arch: ArchConfig, pp: int, stage: int, ep: int = 1, ep_rank: int = 0) -> list[Param]:
+    """The parameters stored on one PP stage and EP rank (every EP rank holds the non-expert parameters; the tied
+    output-layer copy is not a ``Param``: see ``split_model``)."""
     out = []
     for p in table_for(arch).params(arch):
+        if p.expert is not None and ep_rank_of_expert(p.expert, arch, ep)[0] != ep_rank:
+            continue
         if p.layer is not None:
             keep = stage_of_layer(p.layer, arch.num_layers, pp)[0] == stage
         elif p.megatron.startswith("embedding."):
@@ -99,57 +112,77 @@ def stage_params(arch: ArchConfig, pp: int, stage: int) -> list[Param]:
     return out
 
 
-def local_name(param: Param, pp: int, te: bool = False) -> str:
-    """The parameter's name in the model chunk of its stage (local layer index; TE or local spec spelling)."""
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def local_name(param: Param, pp: int, te: bool = False, ep: int = 1) -> str:
+    """The parameter's name in the model chunk of its stage (local layer index, local expert index; TE or local spec
+    spelling)."""
     if param.layer is None:
         return spec_name(param.megatron, te)
     _, rest = split_layer(param.megatron)
+    if param.expert is not None:
+        rest = _EXPERT_RE.sub(
+            lambda m: f"mlp.experts.local_experts.{ep_rank_of_expert(param.expert, param.arch, ep)[1]}.{m.group(2)}",
+            rest,
+        )
     local = stage_of_layer(param.layer, param.arch.num_layers, pp)[1]
     return spec_name(f"decoder.layers.{local}.{rest}", te)
 
 
-def canonical_from_local(name: str, stage: int, arch: ArchConfig, pp: int) -> str:
-    """Inverse of ``local_name`` for one stage (either spelling)."""
+def canonical_from_local(name: str, stage: int, arch: ArchConfig, pp: int, ep: int = 1, ep_rank: int = 0) -> str:
+    """Inverse of ``local_name`` for one stage and EP rank (either spelling)."""
     name = canonical_name(name)
     layer, rest = split_layer(name)
     if layer is None:
         return name
+    m = _LOCAL_EXPERT_RE.match(rest)
+    if m:
+        rest = f"mlp.experts.{ep_rank * (arch.num_experts // ep) + int(m.group(1))}.{m.group(2)}"
     return f"decoder.layers.{global_layer(stage, layer, arch.num_layers, pp)}.{rest}"
 
 
+Rank = tuple[int, int, int]  # (PP stage, EP rank, TP rank)
+
+
 def split_model(
-    full: dict[str, torch.Tensor], arch: ArchConfig, tp: int, pp: int, te: bool = False
-) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """Full canonical tensors → ``{(pp_rank, tp_rank): {local parameter name: shard}}`` as the live model holds them.
+    full: dict[str, torch.Tensor], arch: ArchConfig, tp: int, pp: int, te: bool = False, ep: int = 1
+) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Full canonical tensors → ``{(pp_rank, ep_rank, tp_rank): {local parameter name: shard}}`` as the live model holds
+    them (experts split over EP, then over TP like the dense MLP: expert tensor parallelism = TP).
 
     With tied embeddings and ``pp > 1`` the last stage also holds ``output_layer.weight``, a copy of the embedding
     (megatron-core keeps the two in sync).
     """
-    check_divisible(arch, tp, pp)
+    check_divisible(arch, tp, pp, ep=ep)
     table = table_for(arch)
-    out: dict[tuple[int, int], dict[str, torch.Tensor]] = {(s, r): {} for s in range(pp) for r in range(tp)}
+    out: dict[Rank, dict[str, torch.Tensor]] = {(s, e, r): {} for s in range(pp) for e in range(ep) for r in range(tp)}
     for stage in range(pp):
-        for p in stage_params(arch, pp, stage):
-            for r, shard in enumerate(split_tp(p, full[p.megatron], tp)):
-                out[stage, r][local_name(p, pp, te)] = shard
+        for e in range(ep):
+            for p in stage_params(arch, pp, stage, ep, e):
+                for r, shard in enumerate(split_tp(p, full[p.megatron], tp)):
+                    out[stage, e, r][local_name(p, pp, te, ep)] = shard
     if arch.tie_embeddings and pp > 1:
         emb = table.by_megatron(arch)["embedding.word_embeddings.weight"]
         for r, shard in enumerate(split_tp(emb, full[emb.megatron], tp)):
-            out[pp - 1, r]["output_layer.weight"] = shard.clone()
+            for e in range(ep):
+                out[pp - 1, e, r]["output_layer.weight"] = shard.clone()
     return out
 
 
 def gather_model(
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ArchConfig, tp: int, pp: int
+    shards: dict[Rank, dict[str, torch.Tensor]], arch: ArchConfig, tp: int, pp: int, ep: int = 1
 ) -> dict[str, torch.Tensor]:
-    """Inverse of ``split_model`` (either spelling): full canonical tensors, vocab padding stripped."""
+    """Inverse of ``split_model`` (either spelling): full canonical tensors, vocab padding stripped. Every EP rank's
+    copy of a non-expert parameter is read; the last one wins (they are equal in a live model)."""
     by_megatron = table_for(arch).by_megatron(arch)
     pieces: dict[str, list[torch.Tensor | None]] = {}
-    for (stage, rank), named in shards.items():
+    for (stage, ep_rank, rank), named in shards.items():
         for name, t in named.items():
             if name.endswith("._extra_state"):
                 continue
-            canon = canonical_from_local(name, stage, arch, pp)
+            canon = canonical_from_local(name, stage, arch, pp, ep, ep_rank)
             if canon == "output_layer.weight" and arch.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding
             if canon not in by_megatron:

@@ -24,6 +24,7 @@ from megatron_dapo.config.typed_yaml import (
     resolve_named_yaml,
     set_dotted,
 )
+from megatron_dapo.config.validate import check_unused_overrides, validate
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PACKAGE_DIR / "recipes"
@@ -54,6 +55,9 @@ class ModelConfig:
     fp8_recipe: Literal["delayed", "blockwise"] = "delayed"
     recompute: Literal["selective", "full"] | None = None
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # auto = TE when importable on GPU
+    # MoE: the weight of the load-balancing auxiliary loss (megatron-core moe_aux_loss_coeff; 0 = none, as in most RL
+    # recipes: the routes the rollout engine chose are what the policy is trained on)
+    moe_aux_loss_coeff: float = 0.0
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: GPU + TE only
+    ep: int = 1  # expert parallel (MoE): each rank holds experts / ep experts, each split over TP (expert TP = TP)
     sequence_parallel: bool = False  # GPU + TE only
     distributed_optimizer: bool | None = None  # None = on for GPU, off on CPU
     # token budget of one micro-batch (per CP group); None = the largest the memory model fits in this machine's
@@ -332,9 +337,8 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         set_dotted(data, key, value)
         from_dict(DapoConfig, data, f"command line ({key})")
     cfg = from_dict(DapoConfig, data, source)
-    from megatron_dapo.config.validate import check_unused_overrides, validate  # validate.py reads these classes
-
     validate(cfg, source)
+    resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
     check_unused_overrides(cfg, [parse_override(text) for text in overrides or []])
     return cfg
 

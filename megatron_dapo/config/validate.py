@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_dapo.config.run_config import resolve_arch_path
 from megatron_dapo.config.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
@@ -106,6 +105,10 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: {key} = {value!r}: {msg}")
 
     a, t, p, r, d = cfg.algo, cfg.train, cfg.parallel, cfg.rollout, cfg.data
+    if p.ep < 1:
+        fail("parallel.ep", p.ep, "must be >= 1")
+    if not 0 <= cfg.model.moe_aux_loss_coeff:
+        fail("model.moe_aux_loss_coeff", cfg.model.moe_aux_loss_coeff, "must be >= 0 (0: no load-balancing loss)")
     if not 0 < a.eps_low < 1:
         fail("algo.eps_low", a.eps_low, "must be in (0, 1)")
     if a.eps_high <= 0:
@@ -290,7 +293,6 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             c.rollout_nodes,
             f"disaggregated placement needs 0 < rollout_nodes < nodes ({c.nodes})",
         )
-    resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
 
 
 def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks") -> None:
@@ -299,4 +301,10 @@ def check_world_divides(parallel: ParallelConfig, world: int, what: str = "ranks
         raise ConfigError(
             f"parallel.tp x pp x cp = {parallel.tp}x{parallel.pp}x{parallel.cp} = {mp} does not divide the {world} "
             f"{what}"
+        )
+    emp = parallel.tp * parallel.ep * parallel.pp  # expert model parallel: TP (= expert TP) x EP x PP
+    if parallel.ep > 1 and world % emp:
+        raise ConfigError(
+            f"parallel.tp x ep x pp = {parallel.tp}x{parallel.ep}x{parallel.pp} = {emp} does not divide the {world} "
+            f"{what} (megatron-core places each expert-parallel group inside the data-parallel ranks)"
         )

@@ -43,6 +43,8 @@ def arch_from_hf(hf_config: dict, name: str = "hf", source: str = "config.json")
         kwargs["kv_channels"] = head_dim
     if hf_config.get("use_sliding_window"):
         raise ConfigError(f"{source}: use_sliding_window = true: only full attention is supported")
+    if family.extra_from_hf is not None:
+        kwargs.update(family.extra_from_hf(hf_config, source))
     bias = family.qkv_bias
     qkv_bias = bias if isinstance(bias, bool) else bool(hf_config.get(bias, False))
     return ArchConfig(name=name, family=family.name, qkv_bias=qkv_bias, qk_layernorm=family.qk_layernorm, **kwargs)
@@ -55,6 +57,8 @@ def hf_from_arch(arch: ArchConfig, dtype: str = "float32") -> dict:
     cfg["head_dim"] = arch.head_dim
     if isinstance(family.qkv_bias, str):
         cfg[family.qkv_bias] = arch.qkv_bias
+    if family.extra_to_hf is not None:
+        cfg.update(family.extra_to_hf(arch))
     cfg["torch_dtype"] = dtype
     return cfg
 

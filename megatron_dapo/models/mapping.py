@@ -77,6 +77,28 @@ def checkpoint_key(canonical: str, te: bool = False) -> tuple[str, int | None]:
     return "decoder.layers." + (TE_ALIASES.get(rest, rest) if te else rest), layer
 
 
+def checkpoint_axes(param: Param, te: bool = False) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """dist_checkpointing key of a parameter and its ``(index, count)`` on each leading axis of the stored tensor, the
+    way ``GPTModel.sharded_state_dict()`` of megatron-core 0.16.1 writes them:
+
+    * a dense model stacks the layers (transformer/transformer_block.py ``sharded_state_dict``: one key per parameter
+      name, the layer on a leading axis): ``("decoder.layers.input_layernorm.weight", ((3, L),))``;
+    * a model with MoE layers (``moe_layer_freq`` a list: ``non_homogeneous_layers``) keys each layer by its global
+      index, and each expert's weight sits on a leading expert axis (transformer/moe/experts.py
+      ``SequentialMLP.sharded_state_dict``): ``("decoder.layers.3.mlp.experts.experts.linear_fc1.weight", ((e, E),))``.
+    """
+    key, layer = checkpoint_key(param.megatron, te)
+    if layer is None:
+        return key, ()
+    if not param.arch.is_moe:
+        return key, ((layer, param.arch.num_layers),)
+    key = key.replace("layers.", f"layers.{layer}.", 1)
+    if param.expert is None:
+        return key, ()
+    key = re.sub(r"\.mlp\.experts\.\d+\.", ".mlp.experts.experts.", key)
+    return key, ((param.expert, param.arch.num_experts),)
+
+
 @dataclass(frozen=True)
 class Block:
     """Rows ``[start, start + rows)`` of the ``src``-th HF tensor of a mapping."""
@@ -100,10 +122,16 @@ class Mapping:
     tp_per_block: bool = False
     vocab: bool = False
     when: Callable[[ArchConfig], bool] | None = None
+    layer_when: Callable[[ArchConfig, int], bool] | None = None  # which layers have it (MoE vs dense MLP layers)
 
     @property
     def per_layer(self) -> bool:
         return "*" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        """``#`` in the names stands for the GLOBAL expert index (canonical ``decoder.layers.*.mlp.experts.#.…``)."""
+        return "#" in self.megatron
 
     def hf_shapes(self, arch: ArchConfig) -> list[tuple[int, ...]]:
         return [tuple(fn(arch)) for fn in self.shapes]
@@ -148,20 +176,41 @@ def qkv_mapping(megatron: str, q: str, k: str, v: str, bias: bool, **kw) -> QKVM
     return QKVMapping(megatron, (q, k, v), (shape(nq), shape(nkv), shape(nkv)), **kw)
 
 
+def dense_width(a: ArchConfig) -> int:
+    return a.ffn_hidden_size
+
+
+def expert_width(a: ArchConfig) -> int:
+    return a.moe_ffn_hidden_size
+
+
 @dataclass(frozen=True)
 class GatedMLPMapping(Mapping):
     """SwiGLU ``linear_fc1`` ← ``[gate; up]``; each TP rank holds ``[gate_shard; up_shard]``."""
 
     tp_dim: int | None = 0
     tp_per_block: bool = True
+    width: Callable[[ArchConfig], int] = dense_width  # the FFN width: the dense MLP's or one expert's
 
     def layout(self, arch: ArchConfig) -> list[Block]:
-        return [Block(0, 0, arch.ffn_hidden_size), Block(1, 0, arch.ffn_hidden_size)]
+        return [Block(0, 0, self.width(arch)), Block(1, 0, self.width(arch))]
 
 
-def gated_mlp_mapping(megatron: str, gate: str, up: str) -> GatedMLPMapping:
-    shape: ShapeFn = lambda a: (a.ffn_hidden_size, a.hidden_size)  # noqa: E731
-    return GatedMLPMapping(megatron, (gate, up), (shape, shape))
+def gated_mlp_mapping(megatron: str, gate: str, up: str, width=dense_width, **kw) -> GatedMLPMapping:
+    shape: ShapeFn = lambda a: (width(a), a.hidden_size)  # noqa: E731
+    return GatedMLPMapping(megatron, (gate, up), (shape, shape), width=width, **kw)
+
+
+def mlp_mappings(prefix: str, width=dense_width, **kw) -> tuple[Mapping, ...]:
+    """A SwiGLU MLP: ``{prefix}.gate_proj`` / ``up_proj`` → ``linear_fc1``, ``down_proj`` → ``linear_fc2``; ``prefix``
+    pairs the Megatron and HF module paths as ``(megatron, hf)``."""
+    mg, hf = prefix
+    return (
+        gated_mlp_mapping(f"{mg}.linear_fc1.weight", f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight", width, **kw),
+        AutoMapping(
+            f"{mg}.linear_fc2.weight", f"{hf}.down_proj.weight", lambda a: (a.hidden_size, width(a)), tp_dim=1, **kw
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -177,6 +226,7 @@ class Param:
     layer: int | None
     megatron: str
     hf: tuple[str, ...]
+    expert: int | None = None  # global expert index of an expert's weight
 
     def hf_shapes(self) -> list[tuple[int, ...]]:
         return self.mapping.hf_shapes(self.arch)
@@ -217,12 +267,13 @@ class Param:
         return [(i, tensor.narrow(0, b.start, b.rows)) for i, b in enumerate(self.layout()) if b.src == src]
 
 
-def _fill(template: str, layer: int | None) -> str:
-    return template.replace("*", str(layer)) if layer is not None else template
+def _fill(template: str, layer: int | None, expert: int | None = None) -> str:
+    out = template.replace("*", str(layer)) if layer is not None else template
+    return out.replace("#", str(expert)) if expert is not None else out
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(r"\*", r"(\d+)") + "$")
+    return re.compile("^" + re.escape(template).replace(r"\*", r"(\d+)").replace("\\#", r"(\d+)") + "$")
 
 
 @dataclass(frozen=True)
@@ -241,9 +292,15 @@ class MappingTable:
             if m.when is not None and not m.when(arch):
                 continue
             layers = range(arch.num_layers) if m.per_layer else [None]
+            experts = range(arch.num_experts) if m.per_expert else [None]
             for i in layers:
-                out.append(Param(m, arch, i, _fill(m.megatron, i), tuple(_fill(h, i) for h in m.hf)))
-        return sorted(out, key=lambda p: (_order(p.megatron), p.layer or 0, self.mappings.index(p.mapping)))
+                if m.layer_when is not None and not m.layer_when(arch, i):
+                    continue
+                for e in experts:
+                    hf = tuple(_fill(h, i, e) for h in m.hf)
+                    out.append(Param(m, arch, i, _fill(m.megatron, i, e), hf, e))
+        order = {m: k for k, m in enumerate(self.mappings)}
+        return sorted(out, key=lambda p: (_order(p.megatron), p.layer or 0, order[p.mapping], p.expert or 0))
 
     def hf_shapes(self, arch: ArchConfig) -> dict[str, tuple[int, ...]]:
         return {h: s for p in self.params(arch) for h, s in zip(p.hf, p.hf_shapes())}
@@ -301,9 +358,22 @@ def head_shape(a: ArchConfig) -> tuple[int, ...]:
     return (a.head_dim,)
 
 
-def decoder_mappings(extra: tuple[Mapping, ...] = ()) -> tuple[Mapping, ...]:
+def qk_norm_mappings() -> tuple[Mapping, ...]:
+    """Per-head RMSNorm on q and k: one [head_dim] weight each, shared by all heads, replicated over TP.
+    megatron-core ``qk_layernorm=True`` builds ``self_attention.q_layernorm`` / ``k_layernorm`` with the same names in
+    the TE spec (TENorm) and the local spec (WrappedTorchNorm) (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py,
+    ``SelfAttentionSubmodules(q_layernorm=..., k_layernorm=...)`` in both ``get_gpt_layer_*_spec``)."""
+    attn = "model.layers.*.self_attn"
+    return (
+        AutoMapping("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", head_shape),
+        AutoMapping("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", head_shape),
+    )
+
+
+def decoder_mappings(extra: tuple[Mapping, ...] = (), mlp: tuple[Mapping, ...] | None = None) -> tuple[Mapping, ...]:
     """The HF decoder naming most families share (``model.layers.*.self_attn.q_proj`` ..., ``mlp.gate_proj`` ...,
-    ``lm_head`` unless tied), with the QKV bias when ``ArchConfig.qkv_bias``; ``extra`` goes after the QKV mappings."""
+    ``lm_head`` unless tied), with the QKV bias when ``ArchConfig.qkv_bias``; ``extra`` goes after the QKV mappings,
+    ``mlp`` replaces the dense SwiGLU MLP (a mixture of experts)."""
     attn = "model.layers.*.self_attn"
     return (
         AutoMapping(
@@ -339,17 +409,7 @@ def decoder_mappings(extra: tuple[Mapping, ...] = ()) -> tuple[Mapping, ...]:
         AutoMapping(
             "decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight", hidden_shape
         ),
-        gated_mlp_mapping(
-            "decoder.layers.*.mlp.linear_fc1.weight",
-            "model.layers.*.mlp.gate_proj.weight",
-            "model.layers.*.mlp.up_proj.weight",
-        ),
-        AutoMapping(
-            "decoder.layers.*.mlp.linear_fc2.weight",
-            "model.layers.*.mlp.down_proj.weight",
-            lambda a: (a.hidden_size, a.ffn_hidden_size),
-            tp_dim=1,
-        ),
+        *(mlp if mlp is not None else mlp_mappings(("decoder.layers.*.mlp", "model.layers.*.mlp"))),
         AutoMapping("decoder.final_layernorm.weight", "model.norm.weight", hidden_shape),
         AutoMapping(
             "output_layer.weight",

@@ -37,16 +37,29 @@ def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
     return (qkv + proj + 2 * f * h + h * f) // tp
 
 
-def layer_params(arch: ArchConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank: 2 RMSNorm weights (replicated) + GEMMs + the QKV bias + the per-head q/k
-    RMSNorm weights (qk_layernorm: [head_dim] each, replicated)."""
+def moe_mlp_params(arch: ArchConfig, tp: int = 1, ep: int = 1) -> int:
+    """The MLP of one MoE layer on one TP x EP rank: the router [experts, h] (replicated) and experts / EP SwiGLU
+    experts, each split over TP (expert TP = TP)."""
+    h, f = arch.hidden_size, arch.moe_ffn_hidden_size
+    return arch.num_experts * h + arch.num_experts // ep * 3 * f * h // tp
+
+
+def layer_params(arch: ArchConfig, tp: int = 1, layer: int = 0, ep: int = 1) -> int:
+    """One transformer layer (global index ``layer``) on one TP (x EP) rank: 2 RMSNorm weights (replicated) + GEMMs +
+    the QKV bias + the per-head q/k RMSNorm weights (qk_layernorm: [head_dim] each, replicated); an MoE layer has the
+    router and its share of the experts in place of the dense MLP."""
     qkv_bias = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim // tp if arch.qkv_bias else 0
     qk_norm = 2 * arch.head_dim if arch.qk_layernorm else 0
-    return 2 * arch.hidden_size + layer_gemm_params(arch, tp) + qkv_bias + qk_norm
+    gemms = layer_gemm_params(arch, tp)
+    if arch.is_moe_layer(layer):
+        gemms += moe_mlp_params(arch, tp, ep) - 3 * arch.ffn_hidden_size * arch.hidden_size // tp
+    return 2 * arch.hidden_size + gemms + qkv_bias + qk_norm
 
 
-def count_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, padded_vocab: int | None = None) -> int:
-    """Parameters held by one GPU (one TP rank of pipeline stage ``pp_rank``) of our megatron-core GPTModel.
+def count_params(
+    arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, padded_vocab: int | None = None, ep: int = 1
+) -> int:
+    """Parameters held by one GPU (one TP (x EP) rank of pipeline stage ``pp_rank``) of our megatron-core GPTModel.
 
     First stage: word embedding [padded_vocab/TP, h]. Every stage: num_layers/PP layers (``layer_params``).
     Last stage: final RMSNorm [h] and the output layer [padded_vocab/TP, h] — when embeddings are untied, or when
@@ -60,7 +73,8 @@ def count_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, p
     if vocab % tp:
         raise ValueError(f"padded_vocab = {vocab} is not divisible by tp = {tp}")
     h = arch.hidden_size
-    n = arch.num_layers // pp * layer_params(arch, tp)
+    per = arch.num_layers // pp
+    n = sum(layer_params(arch, tp, layer, ep) for layer in range(pp_rank * per, (pp_rank + 1) * per))
     if pp_rank == 0:
         n += vocab // tp * h
     if pp_rank == pp - 1:

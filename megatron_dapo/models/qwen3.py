@@ -6,20 +6,7 @@ SGLang serves it in its own fused layout (sglang/srt/models/qwen3.py ``Qwen3Atte
 plain ``RMSNorm(head_dim)`` weights replicated on every rank (``engines/sglang/layout.py`` keeps them whole)."""
 
 from megatron_dapo.models.family import Family
-from megatron_dapo.models.mapping import AutoMapping, Mapping, MappingTable, decoder_mappings, head_shape
-
-
-def qk_norm_mappings() -> tuple[Mapping, ...]:
-    """Per-head RMSNorm on q and k: one [head_dim] weight each, shared by all heads, replicated over TP.
-    megatron-core ``qk_layernorm=True`` builds ``self_attention.q_layernorm`` / ``k_layernorm`` with the same names in
-    the TE spec (TENorm) and the local spec (WrappedTorchNorm) (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py,
-    ``SelfAttentionSubmodules(q_layernorm=..., k_layernorm=...)`` in both ``get_gpt_layer_*_spec``)."""
-    attn = "model.layers.*.self_attn"
-    return (
-        AutoMapping("decoder.layers.*.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", head_shape),
-        AutoMapping("decoder.layers.*.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", head_shape),
-    )
-
+from megatron_dapo.models.mapping import MappingTable, decoder_mappings, qk_norm_mappings
 
 FAMILY = Family(
     name="qwen3",

@@ -10,23 +10,19 @@ from typing import TYPE_CHECKING
 
 from megatron_dapo.config.plugins import load_object
 from megatron_dapo.config.typed_yaml import ConfigError
-from megatron_dapo.models import llama, qwen2, qwen3
+from megatron_dapo.models import llama, qwen2, qwen3, qwen3_moe
 from megatron_dapo.models.family import Family
 from megatron_dapo.models.mapping import MappingTable
 
 if TYPE_CHECKING:
     from megatron_dapo.models.arch import ArchConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen2.FAMILY, llama.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen2.FAMILY, llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 DEFAULT_FAMILY = qwen2.FAMILY.name  # an architecture YAML without ``family:``
 
 # Families recognised but not trained, with what is missing (a model config's ``family`` or HF ``model_type``)
-UNSUPPORTED = {
-    "qwen3_moe": "Qwen3-MoE (Qwen3MoeForCausalLM) is not supported: it needs expert parallelism and bridge mappings "
-    "for the router and the experts, which megatron-dapo does not have yet; use a dense Qwen3 "
-    "(model_configs/qwen3-0.6b, qwen3-8b, qwen3-32b)",
-}
-UNSUPPORTED_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe"}
+UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED_ARCHITECTURES: dict[str, str] = {}
 
 
 def family_named(name: str, source: str = "model config", key: str = "family") -> Family:

@@ -59,7 +59,7 @@ def check_case(hf_dir: Path, ckpt: str, save: str, tp: int, pp: int) -> list[str
     hf = hf_state(hf_dir)
     full = table_for(arch).hf_to_megatron(hf, arch)
     stage, rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    expected = split_model(full, arch, tp, pp)[stage, rank]
+    expected = split_model(full, arch, tp, pp)[stage, 0, rank]
     got = dict(actor.model[0].module.named_parameters())
     if set(got) != set(expected):
         problems.append(f"parameter names differ: {sorted(set(got) ^ set(expected))}")

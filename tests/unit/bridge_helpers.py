@@ -68,6 +68,8 @@ def make_hf_model(arch: ArchConfig, seed: int = 0, dtype: torch.dtype = torch.fl
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # an MoE router: decisive routes, not near-ties
+                p.copy_(torch.randn_like(p))
     return model.to(dtype).eval()
 
 

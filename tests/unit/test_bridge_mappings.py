@@ -127,7 +127,7 @@ def test_split_gather_round_trip_all_tp_pp(model):
         shards = split_model(full, arch, tp, pp, te=te)
         assert len(shards) == tp * pp
         per_stage = arch.num_layers // pp
-        for (stage, _), named in shards.items():
+        for (stage, _, _), named in shards.items():
             layers = {int(n.split(".")[2]) for n in named if n.startswith("decoder.layers.")}
             assert layers == set(range(per_stage))
             assert ("embedding.word_embeddings.weight" in named) == (stage == 0)
@@ -143,7 +143,7 @@ def test_split_gather_round_trip_all_tp_pp(model):
 def test_gather_rejects_a_missing_shard(model):
     arch, hf = model
     shards = split_model(table_for(arch).hf_to_megatron(hf, arch), arch, 2, 1)
-    del shards[0, 1]["decoder.layers.0.mlp.linear_fc2.weight"]
+    del shards[0, 0, 1]["decoder.layers.0.mlp.linear_fc2.weight"]
     with pytest.raises(ConfigError, match="decoder.layers.0.mlp.linear_fc2.weight"):
         gather_model(shards, arch, 2, 1)
 

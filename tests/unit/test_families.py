@@ -21,8 +21,9 @@ BUILTIN = [name for name in FAMILIES if ":" not in name]
 
 
 def mentions(text: str, family: str) -> list[str]:
-    """Lines naming the family as a word; model names with a size after it (``qwen2.5-32b``, ``qwen3-8b``) are not."""
-    pattern = re.compile(rf"\b{re.escape(family)}\b(?![.\-]\d)", re.IGNORECASE)
+    """Lines naming the family as a word; model names with a size after it (``qwen2.5-32b``, ``qwen3-8b``) and the
+    mixture-of-experts family of the same name (``Qwen3-MoE``, its own family) are not."""
+    pattern = re.compile(rf"\b{re.escape(family)}\b(?![.\-]\d|-moe)", re.IGNORECASE)
     return [line.strip() for line in text.splitlines() if pattern.search(line)]
 
 
@@ -41,6 +42,7 @@ def test_a_family_is_named_only_in_its_own_file_and_the_registry():
 def test_the_scan_sees_a_planted_mention():
     assert mentions("x = 1  # as Qwen3's q_norm does", "qwen3") == ["x = 1  # as Qwen3's q_norm does"]
     assert mentions('load_arch("qwen3-8b"); load_arch("qwen2.5-7b")', "qwen3") == []
+    assert mentions("Qwen3-MoE (Qwen3MoeForCausalLM), family qwen3_moe", "qwen3") == []
 
 
 def test_every_family_round_trips_its_hf_config():
@@ -51,13 +53,13 @@ def test_every_family_round_trips_its_hf_config():
         assert (back.family, back.qk_layernorm, back.qkv_bias) == (name, arch.qk_layernorm, arch.qkv_bias)
 
 
-def test_unknown_and_unsupported_families_name_the_key(tmp_path):
+def test_unknown_and_unsupported_families_name_the_key(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"family = 'mistral': unknown family; known: "):
         family_named("mistral")
-    unsupported = next(iter(UNSUPPORTED))
-    bad = tmp_path / "moe.yaml"
-    bad.write_text(f"name: moe\nfamily: {unsupported}\n")
-    with pytest.raises(ConfigError, match=rf"moe.yaml: family = '{unsupported}': .* is not supported"):
+    monkeypatch.setitem(UNSUPPORTED, "mamba2", "Mamba-2 is not supported: it has no attention layers")
+    bad = tmp_path / "ssm.yaml"
+    bad.write_text("name: ssm\nfamily: mamba2\n")
+    with pytest.raises(ConfigError, match=r"ssm.yaml: family = 'mamba2': Mamba-2 is not supported"):
         load_arch(bad)
 
 
