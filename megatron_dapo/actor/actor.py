@@ -578,7 +578,7 @@ class MegatronActor:
             self.optimizer.zero_grad()
             return grad_norm
         if self.cfg.train.grad_clip > 0:
-            self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
+            clip_by_total_norm(self.optimizer, self.cfg.train.grad_clip, grad_norm)
         self.optimizer.step_with_ready_grads()
         return grad_norm
 
@@ -595,3 +595,19 @@ class MegatronActor:
         """(megatron name, local shard) of this rank's model chunk(s)."""
         for m in self.model:
             yield from m.module.named_parameters()
+
+
+def clip_by_total_norm(optimizer, max_norm: float, total_norm: float) -> None:
+    """Scale the gradients so that their total norm (over every part of the optimizer) is at most ``max_norm``.
+
+    An MoE model's optimizer is a ``ChainedOptimizer`` (expert and dense parameters reduce over different groups), and
+    its inherited ``MegatronOptimizer.clip_grad_norm`` reads ``.optimizer``, which asserts a single part; this clips
+    each part by the chain's total norm, as ``ChainedOptimizer.step`` does (megatron-core 0.16.1
+    optimizer/optimizer.py, ``clip_grad_by_total_norm_fp32`` per chained optimizer)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = part.get_parameters()
+        if params:
+            decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm, use_decoupled_grad=decoupled)

@@ -25,6 +25,7 @@ into bounded safetensors shards; ``export_plan`` says, without a model, how many
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,8 +47,14 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def local_parameters(model_chunks, arch: ArchConfig) -> dict[str, torch.Tensor]:
-    """This rank's parameter shards by canonical name (global layer index, local-spec spelling)."""
+    """This rank's parameter shards by canonical name (global layer index, global expert index, local-spec
+    spelling)."""
     out = {}
+    ep_rank, ep = 0, 1
+    if arch.is_moe and _distributed():
+        from megatron.core import parallel_state as ps
+
+        ep_rank, ep = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
@@ -55,11 +62,23 @@ def local_parameters(model_chunks, arch: ArchConfig) -> dict[str, torch.Tensor]:
             name = canonical_name(name)
             local, rest = split_layer(name)
             if local is not None:
+                m = _LOCAL_EXPERT.match(rest)
+                if m:  # SequentialMLP: global expert = ep_rank · experts / EP + local index
+                    rest = f"mlp.experts.{ep_rank * (arch.num_experts // ep) + int(m.group(1))}.{m.group(2)}"
                 name = f"decoder.layers.{layers[local].layer_number - 1}.{rest}"
             elif name == "output_layer.weight" and arch.tie_embeddings:
                 continue  # the last stage's copy of the tied embedding
             out[name] = p
     return out
+
+
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -91,12 +110,26 @@ def export_hf_tensors(
 def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
-    params = table_for(arch).params(arch)
+    params = export_order(arch)
     local = local_parameters(model_chunks, arch)
     if not dist.is_initialized():
         for p in params:
             yield from zip(p.hf, p.to_hf(local[p.megatron].detach()))
         return
+    yield from _export_dense([p for p in params if p.expert is None], local, arch, dst)
+    if arch.is_moe:
+        yield from _export_experts([p for p in params if p.expert is not None], local, arch, dst)
+
+
+def export_order(arch: ArchConfig) -> list[Param]:
+    """The order tensors are exported in: model order, the experts (if any) last."""
+    params = table_for(arch).params(arch)
+    return [p for p in params if p.expert is None] + [p for p in params if p.expert is not None]
+
+
+def _export_dense(params: list[Param], local: dict, arch: ArchConfig, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter but the experts: data-parallel replica 0 sends, see the module docstring."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if dst == "all":
@@ -192,6 +225,57 @@ def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterat
             yield from zip(p.hf, p.to_hf(full))
 
 
+def _export_experts(
+    params: list[Param], local: dict, arch: ArchConfig, dst: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The experts, one at a time: the expert-TP ranks of the EP rank that owns an expert (first expert-data-parallel
+    replica) gather it, and its expert-TP rank 0 sends it to the receiver of its stage (``rank0``: global rank 0;
+    ``stage``: the stage's first rank) or broadcasts it to every rank (``all``). No rank ever holds more than one
+    expert it does not own."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.bridge.reshard import ep_rank_of_expert
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
+    me = (
+        dist.get_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_data_parallel_rank(),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+        ps.get_tensor_model_parallel_rank(),
+    )
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    owner = {(s, e): g for g, s, e, etp, edp, _, _ in everyone if etp == 0 and edp == 0}
+    first = {s: min(g for g, s2, *_, dp, tp in everyone if s2 == s and dp == 0 and tp == 0) for s in range(pp)}
+    receiver = {s: first[0] if dst == "rank0" else first[s] for s in range(pp)}
+    rank, edp = me[0], me[4]
+    etp_group = ps.get_expert_tensor_parallel_group()
+    mine = [t for name, t in local.items() if ".mlp.experts." in name] or list(local.values())
+    device, dtype = mine[0].device, mine[0].dtype
+    for p in params:
+        s = _stage_of(p, arch, pp)
+        src = owner[s, ep_rank_of_expert(p.expert, arch, ep)[0]]
+        full = None
+        if p.megatron in local and edp == 0:
+            full = gather_tp(p, local[p.megatron], etp_group)
+        if dst == "all":
+            buf = full.contiguous() if rank == src else torch.empty(p.shape(), dtype=dtype, device=device)
+            dist.broadcast(buf, src)
+            yield from zip(p.hf, p.to_hf(buf))
+        elif rank == src and src != receiver[s]:
+            dist.send(full.contiguous(), receiver[s])
+        elif rank == receiver[s]:
+            if src != rank:
+                full = torch.empty(p.shape(), dtype=dtype, device=device)
+                dist.recv(full, src)
+            yield from zip(p.hf, p.to_hf(full))
+
+
 def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:
     if p.layer is not None:
         return p.layer // (arch.num_layers // pp)
@@ -218,9 +302,7 @@ def _param_dtypes(model_chunks, arch: ArchConfig) -> dict[str, torch.dtype]:
 def _hf_plan(arch: ArchConfig, dtypes) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(hf name, shape, dtype)`` of every exported tensor, in the order ``export_hf_tensors`` yields them;
     ``dtypes`` maps a canonical Megatron name (or anything, with a ``defaultdict``) to its dtype."""
-    return [
-        (h, tuple(s), dtypes[p.megatron]) for p in table_for(arch).params(arch) for h, s in zip(p.hf, p.hf_shapes())
-    ]
+    return [(h, tuple(s), dtypes[p.megatron]) for p in export_order(arch) for h, s in zip(p.hf, p.hf_shapes())]
 
 
 def save_hf_checkpoint(

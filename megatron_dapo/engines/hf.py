@@ -80,7 +80,7 @@ class HFEngine(EngineBase):
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.tokenizer = tokenizer_info or _tokenizer_info_from_config(self.model.config)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", arch.tie_embeddings))
-        self._tensors = dict(self.model.state_dict())  # views sharing storage with the parameters
+        self._tensors = checkpoint_views(self.model.state_dict())  # views sharing storage with the parameters
         self._version = 0
         self._abort = threading.Event()
         self._rng = torch.Generator().manual_seed(seed if seed is not None else torch.seed() & 0x7FFFFFFF)
@@ -400,3 +400,27 @@ def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, mode
     """The in-process engine of ``rollout.engine: hf`` (engines/registry.py); it starts from the actor's weights."""
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
+
+
+def checkpoint_views(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint (safetensors) names, as views of its parameters.
+
+    transformers 5 holds a mixture of experts fused in memory and names each expert only on disk: ``mlp.experts.
+    gate_up_proj`` [E, 2F, H] is ``[gate_e; up_e]`` per expert and ``mlp.experts.down_proj`` [E, H, F]
+    (transformers/conversion_mapping.py: ``MergeModulelist(dim=0), Concatenate(dim=1)`` from
+    ``mlp.experts.*.gate_proj.weight`` / ``up_proj.weight``). Weight syncs send checkpoint names, so each expert's
+    tensor here is a slice of the fused parameter (copying into it updates the model)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
+            prefix, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith("mlp.experts.down_proj") and t.dim() == 3:
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out

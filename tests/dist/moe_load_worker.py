@@ -1,5 +1,6 @@
 """torchrun worker of tests/dist/test_moe_bridge.py: HF weights loaded into megatron-core's MoE model at TP x EP x PP,
-every rank's parameters (names and values) equal to the offline split ``split_model(...)[stage, ep_rank, tp_rank]``."""
+every rank's parameters (names and values) equal to the offline split ``split_model(...)[stage, ep_rank, tp_rank]``;
+the live export (``export_hf_tensors``, each ``dst``) gives back every HF tensor, experts included, to its receivers."""
 
 from __future__ import annotations
 
@@ -44,12 +45,35 @@ def main(hf_dir: str, tp: int, ep: int, pp: int, out: str) -> None:
     for name, t in got.items():
         if name in expected and not torch.equal(t.detach(), expected[name]):
             problems.append(f"rank {dist.get_rank()} {key}: {name} differs")
+    from megatron_dapo.bridge.export import export_hf_tensors
+
+    first_of_stage = (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
+    )
+    for dst in ("rank0", "stage", "all"):
+        got_hf = {n: t for bucket in export_hf_tensors(chunks, arch, bucket_bytes=4096, dst=dst) for n, t in bucket}
+        if dst == "all" or (dst == "rank0" and dist.get_rank() == 0):
+            want = set(hf)
+        elif dst == "stage" and first_of_stage:
+            want = {h for p in table_for(arch).params(arch) for h in p.hf if _stage(p, arch, pp) == key[0]}
+        else:
+            want = set()
+        if set(got_hf) != want:
+            problems.append(f"rank {dist.get_rank()} {dst}: got {len(got_hf)} tensors, want {len(want)}: "
+                            f"{sorted(set(got_hf) ^ want)[:3]}")  # fmt: skip
+        problems += [f"rank {dist.get_rank()} {dst}: {n} differs" for n in got_hf if not torch.equal(got_hf[n], hf[n])]
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, (key, len(got), problems))
     if dist.get_rank() == 0:
         torch.save(every, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _stage(p, arch, pp: int) -> int:
+    if p.layer is not None:
+        return p.layer // (arch.num_layers // pp)
+    return 0 if p.megatron.startswith("embedding.") else pp - 1
 
 
 if __name__ == "__main__":
