@@ -120,6 +120,9 @@ class Sample:
     # per response token, 1 = the policy generated it (trained), 0 = inserted by the rollout (a tool's output: not
     # trained, not counted in the entropy, the logprob gap or the overlong length); None = every token generated
     loss_mask: list[int] | None = None
+    # MoE routing replay: the experts the engine routed each token to, [prompt + response - 1, MoE layers, top-k]
+    # int16 (the last token is never routed for a prediction); None = not asked for (rollout.routing_replay)
+    routes: torch.Tensor | None = None
 
     @property
     def truncated(self) -> bool:
@@ -196,6 +199,7 @@ class Sequence:
     entropy: torch.Tensor | None = None  # [R] of pi_old at each response position (set by train_step)
     tis_mask: torch.Tensor | None = None  # [R] bool: tokens TIS weighs (partial rollout); None = per algo.tis
     generated: torch.Tensor | None = None  # [R] bool: tokens the policy generated (not tool output); None = all
+    routes: torch.Tensor | None = None  # [L - 1, MoE layers, top-k] the engine's experts per token (routing replay)
 
     @property
     def response_len(self) -> int:

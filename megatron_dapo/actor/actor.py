@@ -19,115 +19,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor import checkpoint as ckpt
+from megatron_dapo.actor import routes
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.gather import all_gather_small, dp_rank_members, route
 from megatron_dapo.actor.logprobs import token_logprobs
+from megatron_dapo.actor.micro_batches import micro_batch_budget, per_position_arrays
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
 from megatron_dapo.actor.step_metrics import step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
 from megatron_dapo.algo.loss import loss_denominator, policy_loss, sft_loss
 from megatron_dapo.config.run_config import DapoConfig
-from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.geometry import micro_batch_geometry
 from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
 from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
-from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
+from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size, routing_replay_enabled
 from megatron_dapo.types import Sequence
-
-
-def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) -> tuple[int, str]:
-    """(tokens per micro-batch, a line saying why): ``parallel.max_tokens_per_micro_batch``, or when None the largest
-    budget whose predicted peak (``memory.actor_memory``) fits this rank's share of the memory; a given budget that is
-    predicted not to fit is refused with the prediction. CPU: available RAM ÷ local ranks; GPU: 90% of the device."""
-    import os
-
-    from megatron_dapo.models.memory import GiB, actor_memory, fit_micro_batch_tokens
-
-    p = cfg.parallel
-    if torch.cuda.is_available():
-        available = 0.9 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        where = "of the GPU"
-    else:
-        import psutil
-
-        available = 0.85 * psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        where = "of the available RAM for this rank"
-    in_process_engine = cfg.rollout.engine == "hf" and not torch.cuda.is_available()
-    kw = dict(
-        dtype_bytes=DTYPES[cfg.model.dtype].itemsize,
-        tp=p.tp,
-        pp=p.pp,
-        dp=dp,
-        layout=layout,
-        recompute=cfg.model.recompute or "none",
-        distributed_optimizer=bool(p.distributed_optimizer),
-        logprob_chunk_tokens=p.logprob_chunk_tokens,
-        engine_bytes_per_param=4 if in_process_engine else 0,
-    )
-    # the longest row the dense attention spans: a sequence, or a group's responses behind their shared prompt
-    row = cfg.max_seq_len
-    if layout == "padded" and p.share_prompts:
-        row = cfg.data.max_prompt_len + cfg.algo.group_size * cfg.rollout.sampling.max_new_tokens
-    fit = fit_micro_batch_tokens(arch, row, available, **kw)
-    tokens = p.max_tokens_per_micro_batch
-    if tokens is None:
-        tokens = min(fit, p.max_auto_micro_batch_tokens) // 64 * 64
-        if tokens < cfg.max_seq_len:
-            need = actor_memory(arch, cfg.max_seq_len, row, **kw)
-            raise ConfigError(
-                f"parallel.max_tokens_per_micro_batch: not even one sequence of {cfg.max_seq_len} tokens fits: "
-                f"predicted peak {need.total / GiB:.1f} GiB ({need.explain()}) > {available / GiB:.1f} GiB {where}"
-            )
-        how = "chosen"
-    else:
-        peak = actor_memory(arch, tokens, row, **kw)
-        if peak.total > available:
-            raise ConfigError(
-                f"parallel.max_tokens_per_micro_batch = {tokens}: predicted peak {peak.total / GiB:.1f} GiB "
-                f"({peak.explain()}) > {available / GiB:.1f} GiB {where}; at most {fit} tokens fit "
-                "(or unset it to choose automatically)"
-            )
-        how = "set"
-    peak = actor_memory(arch, tokens, row, **kw)
-    return tokens, (
-        f"actor: micro-batch budget {tokens} tokens ({how}; predicted peak {peak.total / GiB:.1f} GiB of "
-        f"{available / GiB:.1f} GiB {where})"
-    )
-
-
-def per_position_arrays(seqs: list[Sequence], indices: list[int], offsets: list[int], total: int) -> dict:
-    """Flat [total] arrays of a micro-batch whose sequence j starts at ``offsets[j]``: position t carries the label
-    t+1 of its sequence and, where that label is a response token (``valid``), its sequence index, response offset,
-    old and rollout logprobs, advantage and loss mask. Padding positions are never valid: they reach neither the loss
-    nor its token denominator."""
-    labels = torch.zeros(total, dtype=torch.long)
-    valid = torch.zeros(total, dtype=torch.bool)
-    seq_id = torch.full((total,), -1, dtype=torch.long)
-    resp_off = torch.zeros(total, dtype=torch.long)
-    old, rollout, adv, mask, tis = (torch.zeros(total) for _ in range(5))
-    for j, (s, off) in enumerate(zip(seqs, offsets)):
-        r, start = s.response_len, off + s.prompt_len - 1  # position `start` predicts the first response token
-        span = slice(start, start + r)
-        labels[span] = s.tokens[s.prompt_len :]
-        valid[span] = True
-        seq_id[span] = indices[j]
-        resp_off[span] = torch.arange(r)
-        old[span] = s.old_logprobs if s.old_logprobs is not None else 0.0
-        rollout[span] = s.rollout_logprobs if s.rollout_logprobs is not None else 0.0
-        adv[span] = float(s.advantage)
-        mask[span] = s.loss_mask.float() if s.loss_mask is not None else 1.0
-        tis[span] = s.tis_mask.float() if s.tis_mask is not None else 0.0
-    return {
-        "labels": labels,
-        "valid": valid,
-        "seq_id": seq_id,
-        "resp_off": resp_off,
-        "old_logprobs": old,
-        "rollout_logprobs": rollout,
-        "advantages": adv,
-        "loss_mask": mask,
-        "tis_mask": tis,
-    }
 
 
 def _passthrough_head(hidden, weight=None, runtime_gather_output=None):
@@ -181,7 +87,12 @@ class MegatronActor:
             torch.cuda.is_available() if p.distributed_optimizer is None else p.distributed_optimizer
         )
 
-        chunks = build_model(self.arch, cfg.model, p)
+        self.replay = routing_replay_enabled(cfg.rollout.routing_replay, self.arch)
+        if self.replay:
+            routes.check_replay(cfg)
+            routes.clear_instances()
+            self.replay_layers = routes.stage_moe_layers(self.arch, p.pp, self.pp_rank)
+        chunks = build_model(self.arch, cfg.model, p, routing_replay=self.replay)
         self.tf_config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer
@@ -310,7 +221,26 @@ class MegatronActor:
             if key != "valid":
                 mb["sel_" + key] = mb[key].reshape(-1)[keep]
         mb["sel_index"] = keep.nonzero().squeeze(-1)
+        if self.replay and all(s.routes is not None for s in chosen):
+            a = self.arch
+            r, ok = routes.packed_routes(chosen, layout.offsets, layout.total_tokens, len(self.moe_all), a.moe_topk)
+            self._attach_routes(mb, r, ok)
         return mb
+
+    @property
+    def moe_all(self) -> list[int]:
+        return [layer for layer in range(self.arch.num_layers) if self.arch.is_moe_layer(layer)]
+
+    def _attach_routes(self, mb: dict, r: torch.Tensor, ok: torch.Tensor) -> None:
+        """The micro-batch's routes as its routers read them (``actor/routes.py``), and which tokens have one."""
+        p = self.cfg.parallel
+        sp = p.tp if p.sequence_parallel else 1
+        mb["router_targets"] = [
+            t.to(self.device) for t in routes.router_inputs(r, self.replay_layers, sp, self.tp_rank)
+        ]
+        flat_ok = ok.transpose(0, 1).reshape(-1)
+        mb["routed"] = flat_ok.chunk(sp)[self.tp_rank] if sp > 1 else flat_ok
+        mb["sel_routed"] = ok.reshape(-1).to(self.device)[mb["sel_index"]]
 
     def _shared_prompt_micro_batch(self, seqs: list[Sequence], rows: list[list[int]]) -> dict:
         b = shared_prompt_batch([s.tokens for s in seqs], [s.prompt_len for s in seqs], rows)
@@ -346,6 +276,11 @@ class MegatronActor:
             "attention_mask": b.attention_mask.to(self.device),
         }
         mb.update({"sel_" + k: v.to(self.device) for k, v in sel.items()})
+        if self.replay and all(seqs[i].routes is not None for r in rows for i in r):
+            r, ok = routes.padded_routes(
+                seqs, [s.prompt_len for s in seqs], rows, b.tokens.shape[1], len(self.moe_all), self.arch.moe_topk
+            )
+            self._attach_routes(mb, r, ok)
         return mb
 
     def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list[dict]:
@@ -353,9 +288,13 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(
-                mb["tokens"], mb["position_ids"], mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params")
-            )
+            with routes.replaying(mb.get("router_targets"), record=mb.get("record_routes", False)):
+                out = model(
+                    mb["tokens"],
+                    mb["position_ids"],
+                    mb["attention_mask"],
+                    packed_seq_params=mb.get("packed_seq_params"),
+                )
             return out, partial(loss_fn, mb, model)
 
         return get_forward_backward_func()(
@@ -436,6 +375,8 @@ class MegatronActor:
         sequence holds the ``old_logprobs`` (and, where computed here, the ``entropy``) the step used."""
         a = self.cfg.algo
         minis, first_from_forward, missing_idx = self.step_plan(seqs)
+        if self.replay:
+            routes.check_routes(seqs, self.cfg)
         t0 = time.perf_counter()
         missing = [seqs[i] for i in missing_idx]
         if missing:  # to rank 0 (metrics) and the DP rank that trains on each sequence, not to every rank
@@ -453,9 +394,11 @@ class MegatronActor:
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
         if tis_cap and any(s.rollout_logprobs is None for s in seqs):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
+        replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.replay else {}
         for m in self.model:
             m.train()
         parts, losses, grad_norms, tokens = [], [], [], 0
+        covered = [0, 0]  # response-predicting positions with a route, all of them
         for k, rng in enumerate(minis):
             mini = [seqs[i] for i in rng]
             from_forward = first_from_forward and k == 0
@@ -466,6 +409,9 @@ class MegatronActor:
             denominator = loss_denominator(all_mask[None], a.loss_agg, seq_ids=ids[None]).item()
             mbs = self._micro_batches(mini)
             scale = len(mbs) * self.dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/DP averaging
+            for mb in mbs if self.replay and self.tp_rank == 0 else []:
+                covered[0] += int(mb["sel_routed"].sum()) if "sel_routed" in mb else 0
+                covered[1] += int(mb["sel_index"].numel())
 
             def loss_fn(mb, model, hidden, denominator=denominator, scale=scale, from_forward=from_forward):
                 lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=from_forward)
@@ -508,6 +454,10 @@ class MegatronActor:
         self.step += 1
         metrics = step_metrics(self, parts, losses, grad_norms, tokens, time.perf_counter() - t0)
         metrics["time/old_logprobs_s"] = old_seconds
+        if self.replay:
+            got = all_gather_small(covered if self.pp_rank == 0 else [0, 0], self.gloo)
+            replay_metrics["routing/coverage"] = sum(g[0] for g in got) / max(1, sum(g[1] for g in got))
+            metrics.update(replay_metrics)
         metrics["train/old_logprob_pass_seqs"] = float(len(missing))
         return metrics
 

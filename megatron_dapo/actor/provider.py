@@ -91,7 +91,9 @@ def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchC
     check_divisible(arch, parallel.tp, parallel.pp, prefix="parallel.", ep=parallel.ep)
 
 
-def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig):
+def transformer_config(
+    arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig, routing_replay: bool = False
+):
     from megatron.core.transformer import TransformerConfig
 
     te = use_transformer_engine(model_cfg)
@@ -106,7 +108,7 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
     if not te:  # the local spec's RoPE takes explicit positions: see position_embedding_type()
         kwargs.update(mrope_section=[arch.head_dim // 2])
     if arch.is_moe:
-        kwargs.update(moe_kwargs(arch, model_cfg, parallel))
+        kwargs.update(moe_kwargs(arch, model_cfg, parallel, routing_replay))
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -148,7 +150,9 @@ def transformer_config(arch: ArchConfig, model_cfg: ModelConfig, parallel: Paral
     )
 
 
-def moe_kwargs(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig) -> dict:
+def moe_kwargs(
+    arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig, routing_replay: bool = False
+) -> dict:
     """megatron-core's MoE settings for an architecture with experts: dropless top-k routing with the router in fp32,
     the alltoall dispatcher (set for every model above), experts as a ``SequentialMLP`` (one SwiGLU MLP per expert:
     the names the bridge maps), MoE and dense layers where ``ArchConfig.moe_layers`` says (always a list: one
@@ -167,6 +171,7 @@ def moe_kwargs(arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfi
         moe_permute_fusion=False,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.tp,
+        moe_enable_routing_replay=routing_replay,  # the routers replay the engine's experts (actor/routes.py)
     )
 
 
@@ -196,7 +201,11 @@ def model_position_ids(pos: torch.Tensor, model_cfg: ModelConfig) -> torch.Tenso
 
 
 def build_model(
-    arch: ArchConfig, model_cfg: ModelConfig, parallel: ParallelConfig, training: bool = True
+    arch: ArchConfig,
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    training: bool = True,
+    routing_replay: bool = False,
 ) -> list[torch.nn.Module]:
     """The model chunks of this rank (one chunk: no virtual pipeline). ``parallel_state`` must be initialized.
     ``training=False``: a model only run forward in eval mode (``tools/check_logits.py``)."""
@@ -204,7 +213,7 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     check_parallel(parallel, model_cfg, arch, training)
-    config = transformer_config(arch, model_cfg, parallel)
+    config = transformer_config(arch, model_cfg, parallel, routing_replay)
     if arch.is_moe:  # per-layer specs: MoE layers and dense ones (megatron-core models/gpt/gpt_layer_specs.py)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

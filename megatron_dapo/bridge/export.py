@@ -225,9 +225,7 @@ def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterat
             yield from zip(p.hf, p.to_hf(full))
 
 
-def _export_experts(
-    params: list[Param], local: dict, arch: ArchConfig, dst: str
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_experts(params: list[Param], local: dict, arch: ArchConfig, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The experts, one at a time: the expert-TP ranks of the EP rank that owns an expert (first expert-data-parallel
     replica) gather it, and its expert-TP rank 0 sends it to the receiver of its stage (``rank0``: global rank 0;
     ``stage``: the stage's first rank) or broadcasts it to every rank (``all``). No rank ever holds more than one

@@ -127,6 +127,9 @@ class RolloutConfig:
     # kept and resumed first next step with the budget they have left; a group whose oldest token is more than
     # partial_max_age weight versions behind the trainer is dropped (counted)
     partial: bool = False
+    # MoE rollout routing replay (R3): the engine returns the experts it routed each token to and the actor replays
+    # them in every forward (old logprobs and training); None = on for a mixture of experts, off for a dense model
+    routing_replay: bool | None = None
     partial_max_age: int = 2
     # when a step's batch is generated (loop/async_schedule.py): sync = in the step, on the trainer's weights;
     # one_step_off = step k+1's batch in the background on v_{k-1} while step k trains (async, max_staleness 1);

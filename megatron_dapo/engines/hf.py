@@ -64,6 +64,7 @@ class HFEngine(EngineBase):
         device: str | torch.device = "cpu",
         model: torch.nn.Module | None = None,
         seed: int | None = None,
+        return_routes: bool = False,
     ):
         self.arch = arch
         self.dtype = as_dtype(dtype)
@@ -85,6 +86,10 @@ class HFEngine(EngineBase):
         self._abort = threading.Event()
         self._rng = torch.Generator().manual_seed(seed if seed is not None else torch.seed() & 0x7FFFFFFF)
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.return_routes = return_routes
+        self._routers = _moe_routers(self.model)
+        if return_routes and not self._routers:
+            raise RolloutError(f"routes asked for, but this {arch.family} model has no MoE router (mlp.gate)")
 
     @classmethod
     def from_pretrained(
@@ -203,6 +208,7 @@ class HFEngine(EngineBase):
             rows = [(p, j) for p in indices for j in range(n)]
             seeds = [self._seed(sampling.seed, p, j) for p, j in rows]
             samples = self._generate_rows([prompts[p] for p in indices], n, seeds, sampling)
+            self._attach_routes([s for s in samples if s.response_ids])
             for s, (p, j) in zip(samples, rows):
                 s.prompt_index, s.sample_index = p, j
             for k in range(len(indices)):
@@ -235,6 +241,31 @@ class HFEngine(EngineBase):
         )
         return out.logits[:, -1].float()
 
+    @torch.no_grad()
+    def routes_of(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, [len - 1, MoE layers, top-k] int16: the experts this engine's model routes each token to
+        (one batched forward with its weights, right-padded: causal attention keeps the pads out of the real tokens;
+        the last token predicts nothing and is not routed)."""
+        width = max(len(s) for s in sequences) - 1
+        ids = torch.full((len(sequences), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s) - 1] = torch.tensor(s[:-1])
+        captured: list[torch.Tensor] = []
+        hooks = [r.register_forward_hook(lambda _m, _i, out: captured.append(out[2])) for r in self._routers]
+        try:
+            self.model(input_ids=ids.to(self.device), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        every = torch.stack(captured, 1).to(device="cpu", dtype=torch.int16)  # [B·width, layers, k]
+        every = every.reshape(len(sequences), width, *every.shape[1:])
+        return [every[i, : len(s) - 1].clone() for i, s in enumerate(sequences)]
+
+    def _attach_routes(self, samples: list[Sample]) -> None:
+        if self.return_routes and samples:
+            for s, r in zip(samples, self.routes_of([s.prompt_ids + s.response_ids for s in samples])):
+                s.routes = r
+
     def generate_requests(self, requests: list[GenRequest], sampling: SamplingParams) -> Iterator[Sample]:
         """One sample per request (its own input, budget and seed; ``sampling.max_new_tokens`` is not used), each as
         soon as it finishes, ``prompt_index`` = the request's position. After ``abort()`` keep iterating: the rest
@@ -251,6 +282,7 @@ class HFEngine(EngineBase):
             budgets = [r.max_new_tokens for _, r in chunk]
             for row, s in self._decode([r.input_ids for _, r in chunk], 1, seeds, sampling, budgets):
                 s.prompt_index = chunk[row][0]
+                self._attach_routes([s] if s.response_ids else [])
                 yield s
 
     def _generate_rows(self, prompts: list[list[int]], n: int, seeds: list[int], sp: SamplingParams) -> list[Sample]:
@@ -399,7 +431,27 @@ def _tokenizer_info_from_config(config) -> TokenizerInfo:
 def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, model_path) -> HFEngine:
     """The in-process engine of ``rollout.engine: hf`` (engines/registry.py); it starts from the actor's weights."""
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
-    return HFEngine(arch, info, dtype=dtype, max_batch=cfg.rollout.hf_max_batch, seed=cfg.train.seed)
+    from megatron_dapo.models.arch import routing_replay_enabled
+
+    return HFEngine(
+        arch,
+        info,
+        dtype=dtype,
+        max_batch=cfg.rollout.hf_max_batch,
+        seed=cfg.train.seed,
+        return_routes=routing_replay_enabled(cfg.rollout.routing_replay, arch),
+    )
+
+
+def _moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE routers of a transformers model, in layer order: ``model.layers.<i>.mlp.gate`` modules that pick a top-k
+    (transformers' ``*TopKRouter`` of the MoE families: forward returns (logits, scores, indices))."""
+    found = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-2:] == ["mlp", "gate"] and parts[-3].isdigit() and hasattr(module, "top_k"):
+            found.append((int(parts[-3]), module))
+    return [m for _, m in sorted(found, key=lambda x: x[0])]
 
 
 def checkpoint_views(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -154,6 +154,7 @@ class Slot:
     finish_reason: str = "abort"  # "abort" = unfinished
     text: str = ""
     resumed: int = 0  # times continued after an abort
+    routes: Any = None  # the latest segment's routes: they cover the prompt and every token so far (routing replay)
 
     @property
     def finished(self) -> bool:
@@ -265,6 +266,8 @@ class PartialSchedule(SyncSchedule):
         slot.response_ids += list(s.response_ids)
         slot.logprobs += list(s.logprobs)
         slot.versions += [self.version] * len(s.response_ids)
+        if s.routes is not None:
+            slot.routes = s.routes
         slot.finish_reason = s.finish_reason
         if slot.finish_reason == "abort" and slot.response_ids and slot.response_ids[-1] in stops:
             # SGLang runs an aborted request one more decode step and reports "abort" even when that step emitted EOS
@@ -291,6 +294,7 @@ class PartialSchedule(SyncSchedule):
             data_source=c.item.data_source,
             texts=[s.text for s in c.slots],
             token_lag=[[self.version - v for v in s.versions] for s in c.slots],
+            routes=[s.routes for s in c.slots] if any(s.routes is not None for s in c.slots) else [],
         )
 
     def _drop_stale(self) -> dict[str, int]:

@@ -59,6 +59,14 @@ class ArchConfig:
         return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
 
+def routing_replay_enabled(setting: bool | None, arch: ArchConfig) -> bool:
+    """``rollout.routing_replay`` for this architecture: None = on for a mixture of experts; on for a dense model is
+    an error naming the key."""
+    if setting and not arch.is_moe:
+        raise ConfigError(f"rollout.routing_replay = true: {arch.name} has no experts to route (a dense model)")
+    return arch.is_moe if setting is None else bool(setting)
+
+
 def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
     """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
     step = multiple * tp

@@ -81,7 +81,7 @@ def test_predicted_peak_matches_the_measured_train_step(layers, rows, length, dt
 
 def test_shared_prompt_rows_bound_the_attention_of_the_budget():
     """With shared prompts a row holds a prompt and its whole group: the budget is sized for that row's attention."""
-    from megatron_dapo.actor.actor import micro_batch_budget
+    from megatron_dapo.actor.micro_batches import micro_batch_budget
     from megatron_dapo.config.run_config import load_config
     from megatron_dapo.models.arch import load_arch
 

@@ -1,4 +1,4 @@
-"""The automatic micro-batch budget (``actor.micro_batch_budget``, docs/design.md "Micro-batch budget"): unset, the largest
+"""The automatic micro-batch budget (``actor.micro_batches.micro_batch_budget``, docs/design.md "Micro-batch budget"): unset, the largest
 budget (in steps of 64 tokens) whose predicted peak fits this rank's share of the RAM, capped at
 ``parallel.max_auto_micro_batch_tokens``; a budget set by hand that is predicted not to fit is refused, term by term.
 The memory model itself is checked against measurements elsewhere; here it is the oracle the choice must respect."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from megatron_dapo.actor.actor import micro_batch_budget
+from megatron_dapo.actor.micro_batches import micro_batch_budget
 from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import load_arch

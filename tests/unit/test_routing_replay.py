@@ -1,0 +1,135 @@
+"""Rollout routing replay (R3) takes effect. An HF engine whose routers are perturbed (so it routes differently from the
+trainer) generates samples with their routes; they travel through the groups and sequences into the actor, and the
+routers of the actor's own forward (captured by hooks) use exactly the engine's experts with replay on, and other
+experts with it off. A sample without routes while replay is on is an error naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.algo.batch import group_from_samples, to_sequences
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.types import SamplingParams, TokenizerInfo
+
+PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
+
+
+def config(replay: bool):
+    return load_config(
+        "demo_cpu",
+        [
+            "model.arch=tiny-moe",
+            f"rollout.routing_replay={str(replay).lower()}",
+            "train.batch_prompts=3",
+            "train.mini_batch_prompts=3",
+            "algo.group_size=2",
+            "train.warmup_steps=0",
+            "parallel.share_prompts=false",  # one row per sequence
+            "data.max_prompt_len=8",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def make_actor():
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.dist import teardown
+
+    made = []
+
+    def make(replay: bool):
+        if made:
+            teardown()
+        made.append(MegatronActor(config(replay)))
+        return made[-1]
+
+    yield make
+    teardown()
+
+
+def engine_sequences(actor, perturb: float = 0.5):
+    """Samples of an HF engine holding the actor's weights but perturbed routers, through groups into sequences."""
+    from megatron_dapo.bridge.export import export_hf_tensors
+    from megatron_dapo.engines.hf import HFEngine
+
+    engine = HFEngine(actor.arch, TokenizerInfo(eos_token_ids=(2,), pad_token_id=0), return_routes=True, seed=1)
+    engine.update_weights(export_hf_tensors(actor.model, actor.arch), version=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in engine._routers:
+            router.weight.add_(perturb * torch.randn(router.weight.shape, generator=g))
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3), n=2)
+    groups = []
+    for k, p in enumerate(PROMPTS):
+        mine = samples[2 * k : 2 * k + 2]
+        groups.append(group_from_samples(p, mine, [{"score": 1.0, "acc": True}, {"score": -1.0, "acc": False}], "t"))
+    seqs, _ = to_sequences(groups, actor.cfg)
+    return seqs
+
+
+def used_routes(actor, seqs) -> float:
+    """The fraction of (token, MoE layer) whose experts in the actor's forward equal the engine's routes."""
+    model = actor.model[0].module
+    rows, maps = [], {}
+    hooks = [
+        model.embedding.register_forward_hook(
+            lambda _m, args, kwargs, _o: rows.append((args[0] if args else kwargs["input_ids"]).clone()),
+            with_kwargs=True,
+        )
+    ]
+    routers = [(n, m) for n, m in model.named_modules() if n.endswith("mlp.router")]
+    for k, (_, router) in enumerate(routers):
+        hooks.append(router.register_forward_hook(lambda _m, _i, out, k=k: maps.setdefault(k, []).append(out[1])))
+    try:
+        actor.compute_logprobs(seqs)
+    finally:
+        for h in hooks:
+            h.remove()
+    equal = total = 0
+    for call, tokens in enumerate(rows):  # a micro-batch [B, S]: its routers see token (b, t) at row t·B + b
+        B = tokens.shape[0]  # noqa: N806
+        for b in range(B):
+            s = next(s for s in seqs if torch.equal(tokens[b, : s.tokens.numel()], s.tokens))
+            n = s.tokens.numel() - 1  # routed tokens
+            for k in range(len(routers)):
+                chosen = maps[k][call][b::B][:n].nonzero()[:, 1].reshape(n, -1).sort(-1).values
+                engine = s.routes[:, k].long().sort(-1).values
+                equal += int((chosen == engine).all(-1).sum())
+                total += n
+    return equal / total
+
+
+def test_replay_uses_the_engines_experts_and_off_does_not(make_actor):
+    on = make_actor(True)
+    seqs = engine_sequences(on)
+    assert all(s.routes is not None and s.routes.shape[1:] == (3, 2) for s in seqs)
+    assert used_routes(on, seqs) == 1.0
+    off = make_actor(False)
+    seqs = engine_sequences(off)
+    assert used_routes(off, seqs) < 0.9  # the perturbed engine routes elsewhere: without replay the trainer differs
+
+
+def test_replay_on_without_routes_is_an_error_naming_the_key(make_actor):
+    actor = make_actor(True)
+    seqs = engine_sequences(actor)
+    seqs[1].routes = None
+    with pytest.raises(ConfigError, match=r"rollout.routing_replay is on but 1 of 6 samples came back without routes"):
+        actor.train_step(seqs)
+
+
+def test_the_step_logs_agreement_coverage_and_both_gaps(make_actor):
+    actor = make_actor(True)
+    seqs = engine_sequences(actor)
+    metrics = actor.train_step(seqs)
+    assert metrics["routing/coverage"] == 1.0
+    assert metrics["routing/agreement"] < 0.9  # the trainer on its own does not route like the perturbed engine
+    assert metrics["routing/logp_gap_replay"] < metrics["routing/logp_gap_no_replay"]
+
+
+def test_a_dense_model_refuses_replay():
+    with pytest.raises(ConfigError, match="rollout.routing_replay = true: tiny has no experts"):
+        from megatron_dapo.models.arch import load_arch, routing_replay_enabled
+
+        routing_replay_enabled(True, load_arch("tiny"))
