@@ -51,9 +51,15 @@ def family_of_hf(hf_config: dict, source: str = "config.json") -> Family:
     for a in archs:
         if a in UNSUPPORTED_ARCHITECTURES:
             raise ConfigError(f"{source}: architectures = {archs}: {UNSUPPORTED[UNSUPPORTED_ARCHITECTURES[a]]}")
-    for family in FAMILIES.values():
-        if any(a in family.hf_architectures for a in archs) or model_type == family.hf_model_type:
-            return family
+    by_arch = [f for f in FAMILIES.values() if any(a in f.hf_architectures for a in archs)]
+    by_type = [f for f in FAMILIES.values() if model_type == f.hf_model_type]
+    if by_type and by_arch and by_arch[0] is not by_type[0]:  # transformers' AutoConfig goes by model_type
+        raise ConfigError(
+            f"{source}: model_type = {model_type!r} (family {by_type[0].name}) contradicts "
+            f"architectures = {archs} (family {by_arch[0].name})"
+        )
+    if by_type or by_arch:
+        return (by_type or by_arch)[0]
     raise ConfigError(
         f"{source}: architectures={archs} model_type={model_type!r}: unsupported; "
         f"supported: {', '.join(a for f in FAMILIES.values() for a in f.hf_architectures)}"

@@ -61,7 +61,9 @@ def test_a_dry_run_refuses_a_checkpoint_of_another_architecture(tmp_path):
     directory for the Qwen3 recipe is an error in the plan, not at the trainer's start on 16 nodes."""
     for name, config in (("Qwen2.5-32B", {**QWEN3_32B, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
                                           "attention_bias": True, "head_dim": 80}),
-                         ("Qwen3-30B-A3B", {**QWEN3_32B, "model_type": "qwen3_moe"})):  # fmt: skip
+                         ("Qwen3-30B-A3B", {**QWEN3_32B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                                            "num_experts": 128, "moe_intermediate_size": 768, "num_experts_per_tok": 8}),
+                         ("contradicting", {**QWEN3_32B, "model_type": "qwen3_moe"})):  # fmt: skip
         hf = tmp_path / name
         hf.mkdir()
         (hf / "config.json").write_text(json.dumps(config))
