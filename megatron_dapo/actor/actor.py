@@ -183,10 +183,10 @@ class MegatronActor:
     @functools.cached_property
     def _flop_weights(self) -> tuple[float, float]:
         """(FLOPs per token outside attention, FLOPs per attended (query, key) pair), per layer and TP rank."""
-        from megatron_dapo.models.memory import layer_gemm_params
+        from megatron_dapo.models.memory import active_gemm_params
 
-        a, tp = self.arch, self.cfg.parallel.tp
-        return 2.0 * layer_gemm_params(a, tp), 4.0 * a.num_attention_heads * a.head_dim / tp
+        a, tp = self.arch, self.cfg.parallel.tp  # an MoE token goes through its top-k experts only
+        return 2.0 * active_gemm_params(a) / a.num_layers / tp, 4.0 * a.num_attention_heads * a.head_dim / tp
 
     def _micro_batch(self, seqs: list[Sequence], rows: list[list[int]]) -> dict:
         """One micro-batch of ``rows`` (lists of indices into ``seqs``): the model inputs plus, for each response
@@ -397,7 +397,7 @@ class MegatronActor:
         replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.replay else {}
         for m in self.model:
             m.train()
-        parts, losses, grad_norms, tokens = [], [], [], 0
+        parts, losses, grad_norms, tokens, trained_micro_batches = [], [], [], 0, 0
         covered = [0, 0]  # response-predicting positions with a route, all of them
         for k, rng in enumerate(minis):
             mini = [seqs[i] for i in rng]
@@ -450,6 +450,7 @@ class MegatronActor:
                 parts += [{k: v for k, v in r.items() if k not in ("logprobs", "entropy", "mb")} for r in results]
                 losses.append(sum(float(r["loss"]) for r in results))
             tokens += sum(mb["num_tokens"] for mb in mbs)
+            trained_micro_batches += len(mbs)
         self.scheduler.step(increment=1)
         self.step += 1
         metrics = step_metrics(self, parts, losses, grad_norms, tokens, time.perf_counter() - t0)
@@ -459,6 +460,8 @@ class MegatronActor:
             replay_metrics["routing/coverage"] = sum(g[0] for g in got) / max(1, sum(g[1] for g in got))
             metrics.update(replay_metrics)
         metrics["train/old_logprob_pass_seqs"] = float(len(missing))
+        if self.arch.is_moe and self.cfg.model.moe_aux_loss_coeff:
+            metrics.update(routes.moe_aux_losses(self.arch, trained_micro_batches))
         return metrics
 
     def step_plan(self, seqs: list[Sequence]) -> tuple[list[range], bool, list[int]]:

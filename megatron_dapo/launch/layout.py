@@ -23,7 +23,7 @@ from megatron_dapo.models.memory import GiB
 if TYPE_CHECKING:
     from megatron_dapo.config.run_config import DapoConfig
     from megatron_dapo.launch.placement import Placement
-    from megatron_dapo.planning.planner import Plan
+    from megatron_dapo.planning.plans import Plan
 
 
 def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
@@ -58,6 +58,7 @@ def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
         distributed_optimizer=p.distributed_optimizer is not False,
         fp8=cfg.model.fp8 is not None,
         sglang_tp=r.sglang_tp,
+        ep=p.ep,
         **options,
     )
 

@@ -27,6 +27,8 @@ def _check_split(arch: ArchConfig, tp: int, pp: int) -> None:
             raise ValueError(f"{arch.name}: {key} = {getattr(arch, key)} is not divisible by tp = {tp}")
     if arch.num_layers % pp:
         raise ValueError(f"{arch.name}: num_layers = {arch.num_layers} is not divisible by pp = {pp}")
+    if arch.is_moe and arch.moe_ffn_hidden_size % tp:
+        raise ValueError(f"{arch.name}: moe_ffn_hidden_size = {arch.moe_ffn_hidden_size} is not divisible by tp = {tp}")
 
 
 def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
@@ -84,6 +86,43 @@ def count_params(
     return n
 
 
+def expert_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1) -> int:
+    """Of ``count_params``, the experts' weights (what the distributed optimizer shards over the expert-data-parallel
+    group, DP·CP/EP ranks, where the rest is sharded over DP·CP)."""
+    if not arch.is_moe:
+        return 0
+    per = arch.num_layers // pp
+    layers = sum(arch.is_moe_layer(i) for i in range(pp_rank * per, (pp_rank + 1) * per))
+    return layers * (arch.num_experts // ep) * 3 * arch.moe_ffn_hidden_size * arch.hidden_size // tp
+
+
+def stage_gemm_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1) -> int:
+    """The GEMM weights of one rank's layers (QKV, proj, fc1, fc2; an MoE layer's local experts, not its router):
+    what TE keeps an FP8 copy and transpose of."""
+    per = arch.num_layers // pp
+    dense_mlp = 3 * arch.ffn_hidden_size * arch.hidden_size // tp
+    n = 0
+    for layer in range(pp_rank * per, (pp_rank + 1) * per):
+        n += layer_gemm_params(arch, tp)
+        if arch.is_moe_layer(layer):
+            n += (arch.num_experts // ep) * 3 * arch.moe_ffn_hidden_size * arch.hidden_size // tp - dense_mlp
+    return n
+
+
+def active_gemm_params(arch: ArchConfig) -> int:
+    """The GEMM weights one token goes through (FLOPs): every layer's attention, the dense MLPs, and in an MoE
+    layer the router and ``moe_topk`` experts."""
+    h, d = arch.hidden_size, arch.head_dim
+    attention = (2 * arch.num_attention_heads + 2 * arch.num_query_groups) * d * h
+    n = 0
+    for layer in range(arch.num_layers):
+        if arch.is_moe_layer(layer):
+            n += attention + arch.num_experts * h + arch.moe_topk * 3 * arch.moe_ffn_hidden_size * h
+        else:
+            n += attention + 3 * arch.ffn_hidden_size * h
+    return n
+
+
 def total_params(arch: ArchConfig, padded_vocab: int | None = None) -> int:
     """The whole model (TP = PP = 1); with the real vocabulary unless ``padded_vocab`` is given."""
     return count_params(arch, 1, 1, 0, padded_vocab if padded_vocab is not None else arch.vocab_size)
@@ -133,6 +172,32 @@ def activation_bytes_per_token(
         attention += 5 * arch.num_attention_heads * attn_seq_len
     mlp = 2 * h + 2 * f * (2 if gated else 1) + 2 * f + mask
     return norms + attention + mlp
+
+
+def moe_layer_activation_delta(arch: ArchConfig, recompute: str, tp: int, imbalance: float = 1.0) -> float:
+    """What an MoE layer keeps per token beyond ``activation_bytes_per_token`` (whose dense MLP it replaces), per GPU
+    and per token of the micro-batch on that GPU (already split over TP where megatron-core splits it).
+
+    The router, on the sequence-parallel shard (÷TP): its input 2h, fp32 logits 4E, top-k probabilities and indices
+    (4k + 8k) and the replayed indices (8k). The experts, after the alltoall dispatcher's EP exchange and its
+    all-gather over TP (expert TP = TP: every TP rank holds all routed copies of its TP group, f split over TP), per
+    routed copy: the experts' input 2h, their output kept for the weighted combine 2h, and the SwiGLU's 6f/TP;
+    ``moe_topk`` copies per token × ``imbalance`` (the busiest EP rank's routed tokens over the mean; dropless).
+    Selective recompute re-runs the dense MLP, not the experts (megatron-core's "mlp" module); full keeps the input.
+    """
+    if recompute == "full":
+        return 0.0
+    h, f, k, e = arch.hidden_size, arch.moe_ffn_hidden_size, arch.moe_topk, arch.num_experts
+    dense_mlp = 0 if recompute == "selective" else 2 * h + 6 * arch.ffn_hidden_size
+    router = 2 * h + 4 * e + 20 * k
+    experts = k * imbalance * (4 * h + 6 * f / tp)
+    return (router - dense_mlp) / tp + experts
+
+
+def moe_dispatch_bytes(arch: ArchConfig, tokens: int, imbalance: float = 1.0) -> float:
+    """The alltoall dispatcher's buffers of the one MoE layer running: the permuted tokens sent and received
+    (2 × ``tokens`` × k × 2h B, ``tokens`` = the micro-batch tokens of a TP group)."""
+    return 2.0 * tokens * arch.moe_topk * imbalance * 2 * arch.hidden_size if arch.is_moe else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------------

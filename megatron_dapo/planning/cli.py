@@ -7,19 +7,23 @@ import json
 
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.memory import GiB
-from megatron_dapo.planning.planner import NoFeasiblePlan, Plan, choose, plan
+from megatron_dapo.planning.planner import plan
+from megatron_dapo.planning.plans import NoFeasiblePlan, Plan, choose
 
 
 def _table(plans: list[Plan], top: int):
     from rich.table import Table
 
     table = Table(title=f"feasible plans (best {min(top, len(plans))} of {len(plans)})")
-    for col in ("#", "TP", "PP", "CP", "DP", "µbatch tok", "recompute", "distopt", "FP8", "train GiB", "resident GiB"):
+    moe = any(p.ep > 1 for p in plans[:top])
+    for col in ("#", "TP", "PP", "CP", "DP", *(("EP",) if moe else ()), "µbatch tok", "recompute", "distopt", "FP8"):
+        table.add_column(col, justify="right")
+    for col in ("train GiB", "resident GiB"):
         table.add_column(col, justify="right")
     for col in ("µb/update", "bubble", "step s"):
         table.add_column(col, justify="right")
     for i, p in enumerate(plans[:top]):
-        cells = (i + 1, p.tp, p.pp, p.cp, p.dp, p.micro_batch_tokens, p.recompute)
+        cells = (i + 1, p.tp, p.pp, p.cp, p.dp, *((p.ep,) if moe else ()), p.micro_batch_tokens, p.recompute)
         cells += ("on" if p.distributed_optimizer else "off", "on" if p.fp8 else "off", f"{p.memory_gib:.1f}")
         cells += (f"{p.memory.resident / GiB:.1f}", p.micro_batches_per_update, f"{p.pipeline_bubble:.0%}")
         table.add_row(*map(str, cells + (f"{p.step_time_s:.0f}",)))

@@ -12,7 +12,8 @@ under ``torch.device("meta")``: shapes and dtypes are exact, no memory is touche
 What the CPU cannot build is the Transformer Engine layer spec. The local spec has the same parameters (TE fuses the
 pre-attention and pre-MLP norms into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``: same shapes, other
 names), and sequence parallelism, context parallelism and FP8 add none, so the build runs with them off and the
-counts stand for the GPU job; FP8's weight copies are counted from the GEMM weights found here.
+counts stand for the GPU job (an MoE model under TP is built as for a forward: training it needs SP, which the CPU
+cannot run); FP8's weight copies are counted from the GEMM weights found here.
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ class RankBuild:
     gemm_params: int  # of which the four GEMM weights of its layers (FP8 keeps a copy and a transpose of these)
     first_stage: bool
     last_stage: bool
+    ep: int = 0  # expert-parallel rank (MoE; EP is carved from the data-parallel ranks)
+    expert_params: int = 0  # of params, the MoE experts this rank holds
 
     def coords(self) -> dict[str, int]:
+        """The dense coordinates the launch's placement assumes (EP lives inside DP)."""
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
 
 
 @contextlib.contextmanager
-def fake_rank(rank: int, world: int, tp: int, pp: int, cp: int = 1) -> Iterator[None]:
+def fake_rank(rank: int, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Iterator[None]:
     """This process is ``rank`` of ``world`` until the block ends: a fake default group and megatron-core's model-
     parallel groups over it. Nothing else may hold torch.distributed at the time."""
     import torch.distributed as dist
@@ -67,6 +71,8 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, cp: int = 1) -> Iterator[
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,  # expert TP = TP, as the actor (actor/distributed.py)
             create_gloo_process_groups=False,
         )
         yield
@@ -86,7 +92,7 @@ def rank_coords(rank: int, world: int, cfg: DapoConfig) -> dict[str, int]:
     """megatron-core's (tp, cp, dp, pp) ranks of global ``rank``, from its own ``parallel_state``."""
 
     p = cfg.parallel
-    with fake_rank(rank, world, p.tp, p.pp, p.cp):
+    with fake_rank(rank, world, p.tp, p.pp, p.cp, p.ep):
         return _coords()
 
 
@@ -98,6 +104,7 @@ def _coords() -> dict[str, int]:
         cp=ps.get_context_parallel_rank(),
         dp=ps.get_data_parallel_rank(),
         pp=ps.get_pipeline_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
     )
 
 
@@ -111,12 +118,12 @@ def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> Rank
     apply_cpu_shims()
     p = cfg.parallel
     model_cfg, parallel = buildable_here(cfg)
-    with fake_rank(rank, world, p.tp, p.pp, p.cp):
+    with fake_rank(rank, world, p.tp, p.pp, p.cp, p.ep):
         coords = _coords()
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # megatron-core: "Apex is not installed" per module
-            chunks = build_model(arch, model_cfg, parallel)
+            chunks = build_model(arch, model_cfg, parallel, training=not arch.is_moe)  # MoE + TP: SP (module doc)
     named = [(n, t) for chunk in chunks for n, t in chunk.named_parameters()]
     if any(t.device.type != "meta" for _, t in named):
         raise RuntimeError(f"rank {rank}: the model was not built on the meta device")
@@ -126,6 +133,7 @@ def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> Rank
         params=sum(t.numel() for _, t in named),
         param_bytes=sum(t.numel() * t.element_size() for _, t in named),
         gemm_params=sum(t.numel() for n, t in named if n.endswith(GEMM_SUFFIXES)),
+        expert_params=sum(t.numel() for n, t in named if ".mlp.experts." in n),
         first_stage=first,
         last_stage=last,
     )
@@ -136,12 +144,13 @@ def build_ranks(
 ) -> list[RankBuild]:
     """Every rank of ``world``, one after another, each with its own megatron-core coordinates; ``progress(i, world)``
     after each. The model is built once per model-parallel position (tp, cp, pp) and reused for the data-parallel
-    replicas of that position, which hold the same parameters (``every_rank``: build every rank's own)."""
+    replicas of that position, which hold the same parameters (``every_rank``: build every rank's own); with EP,
+    per (tp, cp, pp, ep) position: each expert-parallel rank holds other experts."""
     out: list[RankBuild] = []
-    built: dict[tuple[int, int, int], RankBuild] = {}
+    built: dict[tuple[int, int, int, int], RankBuild] = {}
     for rank in range(world):
         coords = rank_coords(rank, world, cfg)
-        key = (coords["tp"], coords["cp"], coords["pp"])
+        key = (coords["tp"], coords["cp"], coords["pp"], coords["ep"])
         if every_rank or key not in built:
             b = build_rank(rank, world, cfg, arch)
             built.setdefault(key, b)

@@ -42,214 +42,33 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
-from megatron_dapo.models.memory import (  # noqa: F401 - the formulas, re-exported for plan users
+from megatron_dapo.models.memory import (
     BF16,
     FP32,
     RECOMPUTE,
-    SELECTIVE_MODULES,
     GiB,
-    PhaseMemory,
     _check_split,
     activation_bytes_per_token,
+    active_gemm_params,
     count_params,
-    layer_gemm_params,
-    layer_params,
+    expert_params,
+    moe_dispatch_bytes,
+    moe_layer_activation_delta,
     rollout_phase,
+    stage_gemm_params,
     startup_phase,
     total_params,
     train_phase,
 )
-
-
-class NoFeasiblePlan(ValueError):
-    """No candidate fits; the message gives the closest plan and what overflows."""
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Plans
-
-
-@dataclass
-class Memory:
-    """Per-GPU bytes in the training phase for one pipeline stage."""
-
-    stage: int
-    params: int
-    weights: float
-    fp8_cache: float
-    grads: float
-    optimizer: float
-    activations: float
-    logits: float
-    rollout: float
-    overhead: float
-
-    @property
-    def total(self) -> float:
-        return self.resident + self.activations + self.logits + self.rollout + self.overhead
-
-    @property
-    def resident(self) -> float:
-        """What the trainer keeps between steps: weights, grads, optimizer states."""
-        return self.weights + self.fp8_cache + self.grads + self.optimizer
-
-
-@dataclass
-class Rollout:
-    """The SGLang side: its TP, memory share per GPU and KV-cache capacity per engine (tokens)."""
-
-    colocated: bool
-    sglang_tp: int
-    share: float  # bytes per GPU SGLang may use
-    mem_fraction: float
-    weights: float  # bytes per GPU
-    kv_tokens: int  # per engine
-    trainer_resident: float  # bytes the trainer keeps on the GPU during rollout
-
-
-@dataclass
-class Plan:
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    micro_batch_tokens: int
-    recompute: str
-    distributed_optimizer: bool
-    fp8: bool
-    gpu_mem_gb: float
-    usable_gb: float
-    train_gpus: int
-    memory: Memory  # worst stage
-    stage_totals: dict[int, float]  # bytes, first and last stage (the others are bounded by the first)
-    rollout: Rollout | None
-    micro_batches_per_update: int
-    pipeline_bubble: float
-    step_time_s: float
-    flops_per_step: float
-    feasible: bool = True
-    reasons: list[str] = field(default_factory=list)
-    model: str = ""
-    max_seq_len: int = 0
-    phases: list[PhaseMemory] = field(default_factory=list)  # colocated: train, rollout and start-up peaks
-    stages: list[Memory] = field(default_factory=list)  # first and last stage; every stage for a chosen layout
-    options: PlanOptions | None = None
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory.total / GiB
-
-    def label(self) -> str:
-        return (
-            f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp} mb={self.micro_batch_tokens} "
-            f"recompute={self.recompute} distopt={'on' if self.distributed_optimizer else 'off'} "
-            f"fp8={'on' if self.fp8 else 'off'}"
-        )
-
-    def overrides(self) -> list[str]:
-        """Dotted config overrides (``load_config(..., overrides=...)``) that apply this plan."""
-        out = [
-            f"parallel.tp={self.tp}",
-            f"parallel.pp={self.pp}",
-            f"parallel.cp={self.cp}",
-            f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}",
-            f"parallel.distributed_optimizer={'true' if self.distributed_optimizer else 'false'}",
-            f"parallel.max_tokens_per_micro_batch={self.micro_batch_tokens}",
-            f"model.recompute={'null' if self.recompute == 'none' else self.recompute}",
-            f"model.fp8={'e4m3' if self.fp8 else 'null'}",
-        ]
-        if self.rollout is not None:
-            out += [
-                f"rollout.sglang_tp={self.rollout.sglang_tp}",
-                f"rollout.mem_fraction={self.rollout.mem_fraction:.2f}",
-            ]
-        return out
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["memory_total_gib"] = self.memory_gib
-        return d
-
-    def explain(self) -> str:
-        m, gib = self.memory, GiB
-        params_b = m.params / 1e9
-        opt_div = self.dp * self.cp if self.distributed_optimizer else 1
-        rows = [
-            ("weights", m.weights, f"{params_b:.2f} B params × 2 B (bf16)"),
-            ("fp8 weight cache", m.fp8_cache, "GEMM weights × 2 B (FP8 copy + transpose)"),
-            ("gradients", m.grads, "params × 4 B (fp32 main grads)"),
-            ("optimizer", m.optimizer, f"params × 12 B / {opt_div} (fp32 master + 2 Adam moments)"),
-            ("activations", m.activations, f"{self.recompute} recompute, {self.micro_batch_tokens // self.cp} tok/GPU"),
-            ("logits chunk", m.logits, "chunk × vocab/TP × 10 B + final hidden states (last stage)"),
-            ("rollout (SGLang)", m.rollout, "resident during training"),
-            ("overhead", m.overhead, "CUDA context, NCCL, fragmentation"),
-        ]
-        verdict = "fits" if self.feasible else "DOES NOT FIT"
-        lines = [
-            f"{self.model}: {self.label()}  ({self.train_gpus} training GPUs, max sequence {self.max_seq_len})",
-            f"training-phase memory per GPU, worst stage {m.stage} of {self.pp} (GiB):",
-        ]
-        lines += [f"  {name:<18}{value / gib:8.2f}   {why}" for name, value, why in rows]
-        lines.append(
-            f"  {'total':<18}{m.total / gib:8.2f}   of {self.usable_gb:.1f} GiB usable "
-            f"({self.usable_gb / self.gpu_mem_gb:.0%} of {self.gpu_mem_gb:g}): {verdict}"
-        )
-        if len(self.stage_totals) > 1:
-            lines.append("  per stage: " + ", ".join(f"{k}: {v / gib:.2f}" for k, v in self.stage_totals.items()))
-        r = self.rollout
-        if r is not None:
-            where = "colocated" if r.colocated else "separate nodes"
-            meanwhile = f"; trainer keeps {r.trainer_resident / gib:.1f} GiB meanwhile" if r.colocated else ""
-            lines.append(
-                f"rollout ({where}): SGLang TP{r.sglang_tp}, share {r.share / gib:.1f} GiB/GPU "
-                f"(mem_fraction {r.mem_fraction:.2f}), weights {r.weights / gib:.1f} GiB, KV cache "
-                f"{r.kv_tokens:,} tokens/engine{meanwhile}"
-            )
-        for ph in self.phases if r is not None and r.colocated else []:
-            lines.append(ph.explain())
-        lines.append(
-            f"time: {self.micro_batches_per_update} micro-batches/update/DP rank, pipeline bubble "
-            f"{self.pipeline_bubble:.1%}, {self.flops_per_step / 1e18:.2f} EFLOP/step → ≈{self.step_time_s:.0f} s "
-            "per training step (excluding rollout)"
-        )
-        lines += [f"  ✗ {reason}" for reason in self.reasons]
-        return "\n".join(lines)
+from megatron_dapo.planning.plans import Memory, Plan, PlanOptions, Rollout, rank_plans
 
 
 def _powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(int(math.log2(max(limit, 1))) + 1)]
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """The knobs of ``plan`` (keyword arguments) besides the model and the cluster."""
-
-    colocated: bool = True  # SGLang and training share the GPUs; else SGLang runs on ``rollout_nodes``
-    rollout_nodes: int | None = None  # disaggregated only; default half the nodes
-    rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85
-    rollout_release: bool = True  # colocated SGLang releases weights + KV cache while the actor trains
-    rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA context, allocator, what it keeps)
-    cuda_graph_gb: float = 2.0  # SGLang's captured CUDA graphs, outside its mem_fraction (held while not released)
-    offload_train_state: bool = True  # colocated: grads + optimizer states on the host during rollout (weights stay)
-    min_rollout_seqs: int = 16  # full-length sequences an SGLang engine's KV cache must hold
-    batch_prompts: int = 512  # B
-    group_size: int = 16  # G
-    mini_batch_prompts: int = 32  # prompts per optimizer update
-    mean_seq_len: float | None = None  # prompt + response, for the time estimate; default a quarter of the maximum
-    logprob_chunk_tokens: int = 1024  # 0 = the actor materializes the logits of a whole micro-batch
-    overhead_gb: float = 5.0
-    usable_fraction: float = 0.95  # a plan must fit in this fraction of the GPU
-    fp8_options: tuple[bool, ...] = (False, True)
-    flash: bool = True  # fused / flash attention (always with TE; CP needs it)
-    peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
-    mfu: float = 0.40
-    fp8_speedup: float = 1.3
-    dp_bandwidth_gbs: float = 40.0  # per GPU for the gradient collectives across nodes (×8 inside one node)
-    micro_batch_multiples: tuple[int, ...] = (1, 2, 4)  # micro-batch token budgets, × the max sequence length
 
 
 @dataclass(frozen=True)
@@ -272,7 +91,8 @@ class _Job:
 def _rollout(
     job: _Job, share: float, trainer_resident: float, fixed_tp: int | None = None
 ) -> tuple[Rollout, str | None]:
-    """Pick (or, with ``fixed_tp``, check) the smallest SGLang TP whose weight shard uses ≤ half the share and whose KV cache holds
+    """Pick (or, with ``fixed_tp``, check) the smallest SGLang TP whose weight shard uses ≤ ``rollout_weight_share`` of
+    the share and whose KV cache holds
     ``min_rollout_seqs`` full-length sequences. KV bytes/token = 2 (K, V) · layers · kv_heads · head_dim · 2 B,
     divided by min(TP, kv_heads) per GPU (KV heads are replicated beyond that)."""
     a = job.arch
@@ -283,7 +103,7 @@ def _rollout(
         weights = weights_total / tp
         kv_tokens = int(max(share - weights, 0) / (kv_per_token / min(tp, a.num_query_groups)))
         best = Rollout(job.opt.colocated, tp, share, share / job.gpu, weights, kv_tokens, trainer_resident)
-        if weights <= share / 2 and kv_tokens >= job.opt.min_rollout_seqs * job.max_seq:
+        if weights <= share * job.opt.rollout_weight_share and kv_tokens >= job.opt.min_rollout_seqs * job.max_seq:
             return best, None
     assert best is not None
     return best, (
@@ -361,12 +181,16 @@ def plan(
         except ValueError:
             continue
         for pp in (p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0 and tp * p <= world):
-            for cp in (c for c in _powers_of_two(world // (tp * pp)) if world % (tp * pp * c) == 0):
-                for mult, recompute, distopt, fp8 in itertools.product(
-                    opt.micro_batch_multiples, RECOMPUTE, (True, False), opt.fp8_options
+            cps = [c for c in _powers_of_two(world // (tp * pp)) if world % (tp * pp * c) == 0]
+            for cp in [c for c in cps if c == 1 or not (arch.is_moe and opt.routing_replay)]:  # replay: CP 1 only
+                dp = world // (tp * pp * cp)
+                # megatron-core folds EP over DP x CP (expert TP = TP: the expert-data-parallel size is DP·CP/EP)
+                eps = [e for e in _powers_of_two(dp * cp) if arch.num_experts % e == 0] if arch.is_moe else [1]
+                for ep, mult, recompute, distopt, fp8 in itertools.product(
+                    eps, opt.micro_batch_multiples, RECOMPUTE, (True, False), opt.fp8_options
                 ):
                     mb_tokens = -(-max_seq * mult // (256 * cp)) * 256 * cp  # whole sequences; THD+CP: 2·CP | length
-                    plans.append(_evaluate(job, tp, pp, cp, mb_tokens, recompute, distopt, fp8))
+                    plans.append(_evaluate(job, tp, pp, cp, mb_tokens, recompute, distopt, fp8, ep=ep))
     return rank_plans(plans)
 
 
@@ -386,6 +210,7 @@ def evaluate_layout(
     distributed_optimizer: bool = True,
     fp8: bool = False,
     sglang_tp: int | None = None,
+    ep: int = 1,
     **options,
 ) -> Plan:
     """The one plan of a chosen layout (a recipe's): its memory per phase and step time; ``feasible`` says whether it
@@ -397,7 +222,13 @@ def evaluate_layout(
         _check_split(job.arch, tp, pp)
     except ValueError as e:
         raise ConfigError(f"parallel: {e}") from e
-    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp, True)
+    dp = job.world // (tp * pp * cp)
+    if ep > 1 and ((dp * cp) % ep or job.arch.num_experts % ep):
+        raise ConfigError(
+            f"parallel.ep = {ep}: must divide DP × CP = {dp * cp} (megatron-core folds EP over the data- and "
+            f"context-parallel ranks) and num_experts = {job.arch.num_experts}"
+        )
+    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp, True, ep=ep)
 
 
 def _evaluate(
@@ -411,6 +242,7 @@ def _evaluate(
     fp8: bool,
     sglang_tp: int | None = None,
     every_stage: bool = False,
+    ep: int = 1,
 ) -> Plan:
     """Memory of the first and last stage (the others hold fewer parameters than the first and fewer in-flight
     activations than stage 0; ``every_stage``: all of them), the rollout phase, and the step time of one candidate."""
@@ -421,6 +253,8 @@ def _evaluate(
     tok_gpu = mb_tokens // cp
     m_update = max(math.ceil(job.step_tokens / job.updates / dp / (mb_tokens * 0.97)), 1)  # ~3% packing loss
     per_layer = activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
+    per_moe_layer = per_layer + moe_layer_activation_delta(arch, recompute, tp, o.moe_imbalance) * tok_gpu
+    dispatch = moe_dispatch_bytes(arch, tok_gpu, o.moe_imbalance)  # the running MoE layer's alltoall buffers
     working = 0.0
     if recompute == "full":  # one layer's activations while it is recomputed
         working = activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
@@ -433,20 +267,25 @@ def _evaluate(
         rollout_held = (o.rollout_mem_fraction or 0.6) * job.gpu
     stages = []
     for s in range(pp) if every_stage else sorted({0, pp - 1}):
-        p = count_params(arch, tp, pp, s, vocab)
+        p = count_params(arch, tp, pp, s, vocab, ep)
+        experts = expert_params(arch, tp, pp, s, ep)
+        moe_layers = sum(arch.is_moe_layer(i) for i in range(s * L // pp, (s + 1) * L // pp))
+        stage_layers = (L // pp - moe_layers) * per_layer + moe_layers * per_moe_layer
         last = s == pp - 1
         stages.append(
             Memory(
                 stage=s,
                 params=p,
                 weights=BF16 * p,
-                fp8_cache=2.0 * L // pp * layer_gemm_params(arch, tp) if fp8 else 0.0,
+                fp8_cache=2.0 * stage_gemm_params(arch, tp, pp, s, ep) if fp8 else 0.0,
                 grads=FP32 * p,
-                optimizer=12.0 * p / (dp * cp if distopt else 1),
-                activations=min(pp - s, m_update) * (L // pp) * per_layer + working,
+                # the distributed optimizer shards dense weights over DP·CP, experts over their DP·CP/EP replicas
+                optimizer=12.0 * ((p - experts) / (dp * cp) + experts / (dp * cp // ep)) if distopt else 12.0 * p,
+                activations=min(pp - s, m_update) * stage_layers + working + (dispatch if moe_layers else 0.0),
                 logits=chunk * vocab / tp * 10.0 + 2 * tok_gpu * h * BF16 if last else 0.0,
                 rollout=rollout_held,
                 overhead=overhead,
+                expert_params=experts,
             )
         )
     worst = max(stages, key=lambda x: x.total)
@@ -492,7 +331,18 @@ def _evaluate(
     if (seqs := o.mini_batch_prompts * o.group_size) < dp:
         reasons.append(f"a mini-batch has {seqs} sequences, fewer than DP = {dp} ranks")
     flops, time_s, bubble = _step_time(
-        job, vocab, tp, pp, cp, dp, m_update, recompute, fp8, max(st.params for st in stages)
+        job,
+        vocab,
+        tp,
+        pp,
+        cp,
+        dp,
+        m_update,
+        recompute,
+        fp8,
+        max(st.params for st in stages),
+        ep,
+        max(st.expert_params for st in stages),
     )
     return Plan(
         tp=tp,
@@ -520,6 +370,7 @@ def _evaluate(
         phases=phases,
         stages=stages,
         options=o,
+        ep=ep,
     )
 
 
@@ -548,6 +399,8 @@ def _step_time(
     recompute: str,
     fp8: bool,
     params: int,
+    ep: int = 1,
+    experts: int = 0,
 ) -> tuple[float, float, float]:
     """Rough training time of one step (old-logprob pass + all updates), in seconds; returns (FLOPs, s, bubble).
 
@@ -556,56 +409,33 @@ def _step_time(
     2·q·s per layer and token forward (s ≈ mean sequence length), ×4 for the two passes (+1 with full recompute).
     Compute time = FLOPs / (GPUs × peak × MFU × 0.96^log2(TP) × 0.95^log2(CP)) ÷ FP8 speedup, divided by the 1F1B
     efficiency m/(m + PP − 1) (m = micro-batches per update per DP rank). Each update adds a reduce-scatter +
-    all-gather of the fp32 grads, not hidden: 2 × 4 B × params/GPU × (n−1)/n over ``dp_bandwidth_gbs`` (n = DP·CP).
+    all-gather of the fp32 grads, not hidden: 2 × 4 B × params/GPU × (n−1)/n over ``dp_bandwidth_gbs`` (n = DP·CP;
+    an MoE's ``experts`` over their n/EP replicas). MoE: N counts the experts a token goes through (top-k, and the
+    router), and each MoE layer's alltoall dispatch + combine (2 × k × h × 2 B per token, ×3 for the old-logprob
+    forward and the training forward and backward, (EP−1)/EP of it leaving the GPU) runs at ``ep_bandwidth_gbs``
+    while EP × TP fits in a node, else at ``dp_bandwidth_gbs``, not hidden.
     """
     a = job.arch
     q = a.num_attention_heads * a.head_dim
-    n_dense = a.num_layers * layer_gemm_params(a) + vocab * a.hidden_size
+    n_dense = active_gemm_params(a) + vocab * a.hidden_size
     attn_fwd = 2 * q * job.mean_seq * a.num_layers
     per_token = 8 * n_dense + 4 * attn_fwd
+    dense_layers = sum(not a.is_moe_layer(i) for i in range(a.num_layers))
     if recompute == "full":
         per_token += 2 * n_dense + attn_fwd
     elif recompute == "selective":
-        per_token += 2 * 3 * a.hidden_size * a.ffn_hidden_size * a.num_layers
+        per_token += 2 * 3 * a.hidden_size * a.ffn_hidden_size * dense_layers
     flops = per_token * job.step_tokens
     eff = job.opt.mfu * 0.96 ** math.log2(tp) * 0.95 ** math.log2(cp)
     compute = flops / (job.world * job.opt.peak_tflops * 1e12 * eff) / (job.opt.fp8_speedup if fp8 else 1.0)
     bubble = (pp - 1) / (m_update + pp - 1)
     n = dp * cp
-    comm = job.updates * 2 * FP32 * params * (n - 1) / n / (job.dp_bandwidth_gbs * 1e9) if n > 1 else 0.0
+    grads = (params - experts) * (n - 1) / n + (experts * (n // ep - 1) / (n // ep) if experts else 0.0)
+    comm = job.updates * 2 * FP32 * grads / (job.dp_bandwidth_gbs * 1e9) if n > 1 else 0.0
+    if a.is_moe and ep > 1:
+        moe_layers = a.num_layers - dense_layers
+        tokens_gpu = job.step_tokens / (dp * cp * tp)  # each TP rank dispatches its sequence-parallel shard
+        sent = tokens_gpu * moe_layers / pp * 3 * 2 * a.moe_topk * a.hidden_size * BF16 * (ep - 1) / ep
+        bandwidth = job.opt.ep_bandwidth_gbs if ep * tp <= job.gpus_per_node else job.dp_bandwidth_gbs
+        comm += sent / (bandwidth * 1e9)
     return flops, compute / (1 - bubble) + comm, bubble
-
-
-def rank_plans(plans: list[Plan]) -> list[Plan]:
-    """Feasible first by time (1% buckets), then fewer model-parallel GPUs, smaller PP, smaller TP, distributed
-    optimizer, less recompute, larger micro-batches; infeasible after, by memory overflow."""
-
-    def key(p: Plan):
-        if not p.feasible:
-            return (1, p.memory.total, len(p.reasons))
-        return (
-            0,
-            round(math.log(p.step_time_s) / math.log(1.01)),
-            p.tp * p.pp * p.cp,
-            p.pp,
-            p.tp,
-            not p.distributed_optimizer,
-            RECOMPUTE.index(p.recompute),
-            -p.micro_batch_tokens,
-        )
-
-    return sorted(plans, key=key)
-
-
-def choose(plans: list[Plan]) -> Plan:
-    """The best feasible plan, or NoFeasiblePlan naming the closest candidate and why it fails."""
-    for p in plans:
-        if p.feasible:
-            return p
-    if not plans:
-        raise NoFeasiblePlan("no candidate plans (the GPU count cannot be split into TP × PP × CP × DP)")
-    closest = min(plans, key=lambda p: p.memory.total)
-    raise NoFeasiblePlan(
-        f"no plan fits {closest.train_gpus} GPUs × {closest.gpu_mem_gb:g} GiB for {closest.model} at "
-        f"{closest.max_seq_len} tokens; the closest, {closest.label()}: " + "; ".join(closest.reasons)
-    )

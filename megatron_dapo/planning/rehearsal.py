@@ -32,7 +32,7 @@ from typing import Any
 from megatron_dapo.config.run_config import DapoConfig, load_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import load_arch
-from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, total_params
+from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_params, total_params
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
 
 MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
@@ -157,6 +157,7 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     colocated = cfg.cluster.placement == "colocated"
     fp8 = 2.0 * b.gemm_params if cfg.model.fp8 else 0.0
     opt_div = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    expert_div = opt_div // layout.ep if layout.distributed_optimizer else 1  # experts: over DP·CP/EP replicas
     # every parameter in the model's dtype: megatron-core's Float16Module casts the built model (the local spec's
     # norms are built in fp32 here: param_bytes differs by their few bytes)
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
@@ -167,7 +168,12 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
         f"{b.params:,} params" + (" + FP8 copy and transpose of the GEMM weights" if fp8 else ""),
     )
     grads = Term("trainer grads", FP32 * b.params, stage.grads, "fp32 main-grad buffer")
-    optim = Term("trainer optimizer", 12.0 * b.params / opt_div, stage.optimizer, f"fp32 master + Adam / {opt_div}")
+    optim = Term(
+        "trainer optimizer",
+        12.0 * ((b.params - b.expert_params) / opt_div + b.expert_params / expert_div),
+        stage.optimizer,
+        f"fp32 master + Adam / {opt_div}" + (f", experts / {expert_div}" if b.expert_params else ""),
+    )
     acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
     logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
     overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
@@ -237,9 +243,12 @@ def rehearse(
         want = placement.coords(b.rank)
         if b.coords() != want:
             failures.append(f"rank {b.rank}: megatron-core places it at {b.coords()}, the launch assumes {want}")
-        expected = count_params(arch, p.tp, p.pp, b.pp)
+        expected = count_params(arch, p.tp, p.pp, b.pp, ep=p.ep)
         if b.params != expected:
             failures.append(f"rank {b.rank} (PP stage {b.pp}): built {b.params:,} parameters, planner {expected:,}")
+        if b.expert_params != (want_experts := expert_params(arch, p.tp, p.pp, b.pp, p.ep)):
+            failures.append(f"rank {b.rank} (PP stage {b.pp}): built {b.expert_params:,} expert parameters, "
+                            f"planner {want_experts:,}")  # fmt: skip
     sync = sync_plan(cfg, arch, placement)
     if sync.model_bytes != BF16 * total_params(arch) and cfg.model.dtype == "bf16":
         failures.append(f"sync: the HF model is {sync.model_bytes:,} B, the memory model {BF16 * total_params(arch):,}")
@@ -249,7 +258,11 @@ def rehearse(
         if key not in classes:
             classes[key] = RankClass(b.pp, key[1], [], b)
         cls = classes[key]
-        if (b.params, b.gemm_params) != (cls.build.params, cls.build.gemm_params):
+        if (b.params, b.gemm_params, b.expert_params) != (
+            cls.build.params,
+            cls.build.gemm_params,
+            cls.build.expert_params,
+        ):
             failures.append(
                 f"rank {b.rank}: {b.params:,} parameters, rank {cls.ranks[0]} of its class {cls.build.params:,}"
             )

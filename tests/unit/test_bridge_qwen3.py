@@ -190,7 +190,8 @@ def test_local_activations_of_a_qwen3_are_what_autograd_saves():
 
 @pytest.mark.parametrize("model,nodes", [("qwen3-0.6b", 1), ("qwen3-8b", 2), ("qwen3-32b", 16)])
 def test_the_planner_fits_each_qwen3(model, nodes):
-    from megatron_dapo.planning.planner import choose, plan
+    from megatron_dapo.planning.planner import plan
+    from megatron_dapo.planning.plans import choose
 
     best = choose(plan(model, max_prompt=2048, max_response=20480, nodes=nodes, gpus_per_node=8, gpu_mem_gb=80))
     assert best.feasible and 8 % best.tp == 0 and best.model == model  # TP within the 8 KV heads

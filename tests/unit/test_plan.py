@@ -11,7 +11,8 @@ from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
 from megatron_dapo.models.memory import GiB, activation_bytes_per_token, count_params, total_params
 from megatron_dapo.planning.cli import main
-from megatron_dapo.planning.planner import NoFeasiblePlan, choose, plan
+from megatron_dapo.planning.planner import plan
+from megatron_dapo.planning.plans import NoFeasiblePlan, choose
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).resolve().parents[1] / "dist" / "param_count_worker.py"
@@ -315,3 +316,30 @@ def test_startup_peak_is_modelled_and_refused():
     chosen = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
                              sglang_tp=4, fp8=True)  # fmt: skip
     assert chosen.feasible and all(ph.fits for ph in chosen.phases)
+
+
+def test_moe_layouts_fit_where_the_recipes_say_and_the_experts_are_sharded_over_expert_dp():
+    """Qwen3-30B-A3B fits 2x8 and 4x8 H100 (dapo_qwen3_30b_a3b); Qwen3-235B-A22B at 22k tokens fits 32x8 with the
+    engines on 8 nodes of their own, not 16x8 (the trainer alone needs more than 76 GiB per GPU there)."""
+    from megatron_dapo.models.memory import expert_params
+    from megatron_dapo.planning.planner import evaluate_layout
+
+    for nodes in (2, 4):
+        best = choose(plan("qwen3-30b-a3b", 2048, 20480, nodes, 8, 80))
+        assert best.cp == 1 and best.memory_gib < 76  # routing replay runs at CP 1 only: no plan with CP > 1
+    assert all(p.cp == 1 for p in plan("qwen3-30b-a3b", 2048, 20480, 2, 8, 80))
+    assert any(p.cp > 1 for p in plan("qwen3-30b-a3b", 2048, 20480, 2, 8, 80, routing_replay=False))
+    big = choose(plan("qwen3-235b-a22b", 2048, 20480, 32, 8, 80, colocated=False, rollout_nodes=8,
+                      rollout_mem_fraction=0.9))  # fmt: skip
+    assert big.ep > 1 and big.rollout.sglang_tp == 8 and big.memory_gib < 76
+    with pytest.raises(NoFeasiblePlan):
+        choose(plan("qwen3-235b-a22b", 2048, 20480, 16, 8, 80, colocated=False, rollout_mem_fraction=0.9))
+    # EP 2 at DP 2: the dense weights' Adam states over DP, the experts' over DP / EP = 1
+    layout = evaluate_layout("qwen3-30b-a3b", 2048, 20480, 2, 8, 80, tp=4, pp=2, cp=1, micro_batch_tokens=22528,
+                             recompute="full", ep=2)  # fmt: skip
+    m = layout.stages[0]
+    assert m.expert_params == expert_params(load_arch("qwen3-30b-a3b"), 4, 2, 0, 2) > 0
+    assert m.optimizer == pytest.approx(12 * ((m.params - m.expert_params) / 2 + m.expert_params))
+    assert "parallel.ep=2" in layout.overrides() and "EP2" in layout.label()
+    with pytest.raises(ConfigError, match="parallel.ep = 3: must divide DP × CP = 2"):
+        evaluate_layout("qwen3-30b-a3b", 2048, 20480, 2, 8, 80, tp=4, pp=2, cp=1, micro_batch_tokens=22528, ep=3)

@@ -125,3 +125,30 @@ def test_middle_pipeline_stages_are_compared_with_their_own_model():
     arch = load_arch("qwen2.5-32b")
     params = {c.stage: c.build.params for c in r.classes}
     assert params == {s: count_params(arch, 8, 4, s) for s in range(4)} and params[1] == params[2] < params[3]
+
+
+def test_dapo_qwen3_30b_a3b_with_expert_parallelism_every_rank_holds_its_experts():
+    """The MoE recipe on 2 nodes at EP 2 (PP 2, TP 4, DP 2): each expert-parallel rank built with its own 64 of the 128
+    experts per layer, counted as the planner counts them (the experts apart: the distributed optimizer shards them
+    over DP·CP/EP), and every phase fits."""
+    from megatron_dapo.models.memory import expert_params
+
+    overrides = ["parallel.pp=2", "parallel.ep=2", "rollout.mem_fraction=0.4"]
+    r = rehearse(load_config("dapo_qwen3_30b_a3b", overrides), 2, 8, "dapo_qwen3_30b_a3b")
+    assert r.ok, r.failures
+    arch = load_arch("qwen3-30b-a3b")
+    for c in r.classes:
+        assert c.build.params == count_params(arch, 4, 2, c.stage, ep=2)
+        assert c.build.expert_params == expert_params(arch, 4, 2, c.stage, 2) == 24 * 64 * 3 * 768 * 2048 // 4
+        train = {ph.phase: ph for ph in c.phases}["train"]
+        optimizer = next(t for t in train.terms if t.name == "trainer optimizer")
+        # DP 2, EP 2: dense weights sharded 2 ways, the experts not at all (their expert-DP is 1)
+        want = 12 * ((c.build.params - c.build.expert_params) / 2 + c.build.expert_params)
+        assert optimizer.rehearsed == pytest.approx(want) and not optimizer.disagrees()
+
+
+def test_an_expert_count_off_by_one_fails(monkeypatch):
+    monkeypatch.setattr(rehearsal, "expert_params", lambda *a, **k: 1)
+    cfg = load_config("dapo_qwen3_30b_a3b", ["model.arch=tiny-moe", "parallel.tp=1", "parallel.pp=2", "parallel.ep=2"])
+    r = rehearse(cfg, 1, 4, "tiny-moe")
+    assert any("expert parameters, planner 1" in f for f in r.failures), r.failures
