@@ -203,3 +203,20 @@ def check_routes(seqs: list[Sequence], cfg) -> None:
             f"rollout engine ({cfg.rollout.engine!r}; a rollout function must keep the engine's Sample.routes): "
             "set rollout.routing_replay=false to train with the trainer's own routing"
         )
+
+
+def moe_aux_losses(arch: ArchConfig, micro_batches: int) -> dict[str, float]:
+    """megatron-core's MoE auxiliary losses of the training forwards since the last call (its layer-wise tracker,
+    transformer/moe/moe_utils.py ``save_to_aux_losses_tracker``: the load-balancing loss before its coefficient, per
+    layer), reduced over PP and DP as its ``reduce_aux_losses_tracker_across_ranks`` does, averaged over the MoE layers
+    and micro-batches: ``train/moe_<name>`` (``load_balancing_loss``: 1 = perfectly balanced for the switch loss)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not tracker or not micro_batches:
+        return {}
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    layers = sum(arch.moe_layer_pattern())
+    out = {f"train/moe_{name}": float(v["values"].sum()) / layers / micro_batches for name, v in tracker.items()}
+    moe_utils.clear_aux_losses_tracker()
+    return out

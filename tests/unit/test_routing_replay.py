@@ -11,12 +11,13 @@ import torch
 from megatron_dapo.algo.batch import group_from_samples, to_sequences
 from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
-from megatron_dapo.types import SamplingParams, TokenizerInfo
+from megatron_dapo.engines.sglang.client import RouteLayout
+from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
 
 
-def config(replay: bool):
+def config(replay: bool, *extra: str):
     return load_config(
         "demo_cpu",
         [
@@ -28,6 +29,7 @@ def config(replay: bool):
             "train.warmup_steps=0",
             "parallel.share_prompts=false",  # one row per sequence
             "data.max_prompt_len=8",
+            *extra,
         ],
     )
 
@@ -39,10 +41,10 @@ def make_actor():
 
     made = []
 
-    def make(replay: bool):
+    def make(replay: bool, *extra: str):
         if made:
             teardown()
-        made.append(MegatronActor(config(replay)))
+        made.append(MegatronActor(config(replay, *extra)))
         return made[-1]
 
     yield make
@@ -119,10 +121,12 @@ def test_replay_on_without_routes_is_an_error_naming_the_key(make_actor):
         actor.train_step(seqs)
 
 
-def test_the_step_logs_agreement_coverage_and_both_gaps(make_actor):
-    actor = make_actor(True)
+def test_the_step_logs_agreement_coverage_both_gaps_and_the_aux_loss(make_actor):
+    actor = make_actor(True, "model.moe_aux_loss_coeff=0.01")
     seqs = engine_sequences(actor)
     metrics = actor.train_step(seqs)
+    # megatron-core's switch load-balancing loss, before its coefficient: 1 when perfectly balanced, at most E / k
+    assert 0.9 < metrics["train/moe_load_balancing_loss"] < 6 / 2, metrics
     assert metrics["routing/coverage"] == 1.0
     assert metrics["routing/agreement"] < 0.9  # the trainer on its own does not route like the perturbed engine
     assert metrics["routing/logp_gap_replay"] < metrics["routing/logp_gap_no_replay"]
@@ -133,3 +137,11 @@ def test_a_dense_model_refuses_replay():
         from megatron_dapo.models.arch import load_arch, routing_replay_enabled
 
         routing_replay_enabled(True, load_arch("tiny"))
+
+
+def test_replay_without_routes_from_the_server_is_an_error_naming_the_flag():
+    """A server started without --enable-return-routed-experts answers with no routes: never a silent fallback."""
+    with pytest.raises(RolloutError, match="enable-return-routed-experts"):
+        RouteLayout(4, (0, 2, 3), 2).decode(None, 5, "r1")
+    with pytest.raises(RolloutError, match="expected 4 positions"):
+        RouteLayout(4, (0, 2, 3), 2).decode("AAAAAA==", 5, "r1")
