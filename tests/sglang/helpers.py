@@ -61,8 +61,9 @@ def cpu_server(model_dir: Path, log_path: Path, *extra: str, **kwargs) -> SGLang
     allocating ~1 GiB meanwhile made it refuse to start ("Loaded weights leave no GPU memory for the KV cache"); the
     KV pool itself stays capped by --max-total-tokens."""
     kwargs.setdefault("env", {"OMP_NUM_THREADS": "1"})
+    kwargs.setdefault("dtype", "bf16")
     return SGLangServer(
-        model_dir, device="cpu", pythonpath=[SUPPORT], mem_fraction=0.25, dtype="bf16", log_path=log_path,
+        model_dir, device="cpu", pythonpath=[SUPPORT], mem_fraction=0.25, log_path=log_path,
         extra_args=["--skip-tokenizer-init", "--max-total-tokens", "8192", "--random-seed", "0", *extra], **kwargs,
     )  # fmt: skip
 

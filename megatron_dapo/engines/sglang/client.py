@@ -89,6 +89,7 @@ class SGLangEngine:
         max_restarts_per_step: int | None = None,
         fanout: str = "prompt",
         start: bool = True,
+        routes: RouteLayout | None = None,
     ):
         if fanout not in ("prompt", "request"):
             raise ValueError(f"rollout.fanout = {fanout!r}: expected 'prompt' or 'request'")
@@ -120,6 +121,7 @@ class SGLangEngine:
         self._abort_gate = threading.Lock()  # held while abort_all calls are on their way: no request starts
         self._closed = threading.Event()  # set by shutdown: background re-aborts stop
         self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
+        self.routes = routes  # MoE routing replay: ask every request for its routed experts
         if start:
             self.start()
 
@@ -139,6 +141,7 @@ class SGLangEngine:
         servers = servers_from_config(cfg, model_path, log_dir, server_urls)
         return cls(
             servers,
+            routes=RouteLayout.of(cfg),
             tokenizer_info=tokenizer_info,
             dtype=r.dtype or cfg.model.dtype,
             max_concurrency=r.max_concurrency,
@@ -439,6 +442,7 @@ class SGLangEngine:
             ),
             return_logprob=sp.logprobs,
             rid=rid,
+            return_routed_experts=True if self.routes else None,
         )
 
     def _pick_url(self, routes: dict[int, str], prompt: int, rid: str, retry: bool = False) -> str:
@@ -495,6 +499,9 @@ class SGLangEngine:
             with self._lock:
                 self.metrics["aborted"] += 1
         version = resp.meta_info.weight_version
+        routes = None
+        if self.routes and ids:
+            routes = self.routes.decode(resp.meta_info.routed_experts, len(req.input_ids) + len(ids), str(req.rid))
         return Sample(
             prompt_ids=list(req.input_ids),
             response_ids=ids,
@@ -505,6 +512,7 @@ class SGLangEngine:
             sample_index=key[1],
             weight_version=int(version) if str(version).lstrip("-").isdigit() else self._version,
             meta={"rid": req.rid},
+            routes=routes,
         )
 
     def abort(self) -> None:
@@ -591,6 +599,50 @@ class SGLangEngine:
             self._released[s.url] = set()  # a new server process holds all its memory
         if self._version != 0:
             self.resync(dead)
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """How to read a response's ``meta_info.routed_experts`` into ``Sample.routes``: SGLang returns every layer's top-k
+    (``num_layers`` rows per token, a dense layer's row unused); the samples keep the MoE layers, int16."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    topk: int
+
+    @classmethod
+    def of(cls, cfg) -> RouteLayout | None:
+        """The layout of ``cfg``'s model when routing replay is on (``rollout.routing_replay``), else None."""
+        from megatron_dapo.models.arch import load_arch, routing_replay_enabled
+
+        arch = load_arch(cfg.model.arch)
+        if not routing_replay_enabled(cfg.rollout.routing_replay, arch):
+            return None
+        moe = tuple(i for i, m in enumerate(arch.moe_layer_pattern()) if m)
+        return cls(arch.num_layers, moe, arch.moe_topk)
+
+    def decode(self, encoded: str | None, seq_len: int, rid: str):
+        """[seq_len - 1, MoE layers, top-k] int16 from the base64 int32 the server sends; no routes, or routes of
+        another shape, are a RolloutError naming the request (replay must never silently go without them)."""
+        import base64
+
+        import numpy as np
+        import torch
+
+        if not encoded:
+            raise RolloutError(
+                f"request {rid}: rollout.routing_replay is on but the server returned no routed experts (start it "
+                "with --enable-return-routed-experts: dapo's servers get it from the config)"
+            )
+        flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+        rows = seq_len - 1
+        if flat.size != rows * self.num_layers * self.topk:
+            raise RolloutError(
+                f"request {rid}: {flat.size} routed-expert ids, expected {rows} positions × {self.num_layers} layers "
+                f"× top-{self.topk}"
+            )
+        routes = torch.from_numpy(flat.reshape(rows, self.num_layers, self.topk)[:, list(self.moe_layers)].copy())
+        return routes.to(torch.int16)
 
 
 def engine_from_config(cfg, arch, info: TokenizerInfo, run_dir: Path, model_path) -> SGLangEngine:

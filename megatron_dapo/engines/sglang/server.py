@@ -343,6 +343,16 @@ def server_args(cfg) -> list[str]:
         args.append("--skip-tokenizer-init")  # the project's char tokenizer is no HF tokenizer: ids in, ids out
     elif cfg.model.tokenizer:
         args += ["--tokenizer-path", cfg.model.tokenizer]
+    from megatron_dapo.config.typed_yaml import ConfigError
+    from megatron_dapo.models.arch import load_arch, routing_replay_enabled
+    from megatron_dapo.models.registry import family_named
+
+    arch = load_arch(cfg.model.arch)
+    limits = family_named(arch.family).sglang_limits
+    if limits is not None and (why := limits(arch)):
+        raise ConfigError(f"model.arch = {cfg.model.arch!r} with rollout.engine = sglang: {why}")
+    if routing_replay_enabled(r.routing_replay, arch):
+        args.append("--enable-return-routed-experts")  # each response's routed experts, for the actor to replay
     return args + list(r.sglang_args)
 
 

@@ -99,6 +99,9 @@ class GenerateRequest(_Json):
     logprob_start_len: int | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+    # MoE (server started with --enable-return-routed-experts): meta_info.routed_experts, the top-k experts of every
+    # layer for positions [0, seqlen - 1) (sglang/srt/managers/io_struct.py GenerateReqInput.routed_experts_start_len)
+    return_routed_experts: bool | None = None
     NESTED: ClassVar[dict[str, type]] = {"sampling_params": SGLangSamplingParams}
 
     def __post_init__(self) -> None:
@@ -127,6 +130,9 @@ class MetaInfo(_Json):
     finish_reason: FinishReason | None = None
     output_token_logprobs: list | None = None  # [(logprob, token_id, token_text | None), ...]
     weight_version: str | None = None
+    # base64 of int32 [seqlen - 1, num_hidden_layers, top-k], C order (sglang/srt/managers/tokenizer_manager.py, the
+    # detokenizer encodes it)
+    routed_experts: str | None = None
     STRICT: ClassVar[bool] = False
     NESTED: ClassVar[dict[str, type]] = {"finish_reason": FinishReason}
 
