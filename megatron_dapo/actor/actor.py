@@ -286,26 +286,36 @@ class MegatronActor:
     def _run(self, micro_batches: list[dict], loss_fn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # full recompute re-runs each layer's forward in the backward: the routers must replay there too
+        recomputed = not forward_only and self.cfg.model.recompute == "full"
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            with routes.replaying(mb.get("router_targets"), record=mb.get("record_routes", False)):
+            targets = mb.get("router_targets")
+            with routes.replaying(targets, record=mb.get("record_routes", False), keep_for_backward=recomputed):
                 out = model(
                     mb["tokens"],
                     mb["position_ids"],
                     mb["attention_mask"],
                     packed_seq_params=mb.get("packed_seq_params"),
                 )
+            if recomputed and targets is not None:
+                routes.replay_in_backward(out)
             return out, partial(loss_fn, mb, model)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb["num_tokens"] for mb in micro_batches),
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=self.model,
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb["num_tokens"] for mb in micro_batches),
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        finally:
+            if self.replay:
+                routes.clear_replay()
 
     def _token_logprobs(self, mb: dict, model, hidden: torch.Tensor, with_entropy: bool):
         # hidden: [b, s, h] on the last stage (the output layer is a passthrough; b = 1 for packed rows)

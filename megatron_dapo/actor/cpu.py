@@ -206,5 +206,10 @@ def apply_cpu_shims() -> bool:
     # (token_dispatcher.py); on the CPU stream current_stream() == it, so its copies run inline.
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_cpu
+    # Full recompute: CheckpointFunction saves and restores every RNG state around the recomputed forward
+    # (tensor_parallel/random.py _get_all_rng_states / _set_all_rng_states): the CPU one and the tracker's stay; the
+    # CUDA generator's (_get_cuda_rng_state: torch.cuda.random.get_rng_state) does not exist here.
+    tp_random._get_cuda_rng_state = _noop
+    tp_random._set_cuda_rng_state = _noop
     _APPLIED = True
     return True

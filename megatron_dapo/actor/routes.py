@@ -95,9 +95,14 @@ def router_inputs(
 
 
 @contextlib.contextmanager
-def replaying(per_layer: list[torch.Tensor] | None, record: bool = False) -> Iterator[None]:
+def replaying(
+    per_layer: list[torch.Tensor] | None, record: bool = False, keep_for_backward: bool = False
+) -> Iterator[None]:
     """Within: every router of this process replays ``per_layer`` (one [tokens, k] tensor per router, in layer order),
-    or with ``record`` routes itself and keeps what it chose (``recorded()``). A no-op for ``None``."""
+    or with ``record`` routes itself and keeps what it chose (``recorded()``). A no-op for ``None``.
+    ``keep_for_backward``: the routes stay queued for the recomputed forward of the backward (``replay_in_backward``;
+    megatron-core ``RouterReplay.set_target_indices`` appends each micro-batch's routes to ``replay_backward_list``,
+    which ``REPLAY_BACKWARD`` pops first in, first out: the micro-batches' backwards run in their forwards' order)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     if per_layer is None and not record:
@@ -112,8 +117,32 @@ def replaying(per_layer: list[torch.Tensor] | None, record: bool = False) -> Ite
         yield
     finally:
         RouterReplay.clear_global_router_replay_action()
-        if not record:
+        if not record and not keep_for_backward:
             RouterReplay.clear_global_indices()
+
+
+def replay_in_backward(output: torch.Tensor) -> None:
+    """Switch every router to ``REPLAY_BACKWARD`` when this micro-batch's backward starts (a hook on the model's
+    output fires before any layer's gradient, so before any recomputed forward)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    def start(grad: torch.Tensor) -> torch.Tensor:
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        return grad
+
+    if output.requires_grad:
+        output.register_hook(start)
+
+
+def clear_replay() -> None:
+    """After a schedule: no action, no routes queued (what a forward-only pass queued no backward pops); what a
+    ``record`` forward chose stays for ``recorded()``."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_action()
+    for router in RouterReplay.global_router_replay_instances:
+        router.target_topk_idx = None
+        router.replay_backward_list = []
 
 
 def recorded() -> list[torch.Tensor]:
@@ -186,11 +215,6 @@ def check_replay(cfg) -> None:
     if cfg.parallel.cp > 1:
         raise ConfigError(
             f"rollout.routing_replay with parallel.cp = {cfg.parallel.cp}: not supported yet (use cp = 1)"
-        )
-    if cfg.model.recompute == "full":
-        raise ConfigError(
-            "rollout.routing_replay with model.recompute = 'full': the recomputed forward would route again "
-            "(megatron-core REPLAY_BACKWARD is not wired); use model.recompute = 'selective' or null"
         )
 
 

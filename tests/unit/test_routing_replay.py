@@ -145,3 +145,15 @@ def test_replay_without_routes_from_the_server_is_an_error_naming_the_flag():
         RouteLayout(4, (0, 2, 3), 2).decode(None, 5, "r1")
     with pytest.raises(RolloutError, match="expected 4 positions"):
         RouteLayout(4, (0, 2, 3), 2).decode("AAAAAA==", 5, "r1")
+
+
+def test_full_recompute_replays_in_the_recomputed_forward_too(make_actor):
+    """With model.recompute=full every layer's forward runs again in the backward; there the routers replay the same
+    routes (megatron-core REPLAY_BACKWARD), so the step equals the one without recompute. Routing on its own in the
+    recomputed forward (the perturbed engine routes elsewhere) would give other gradients."""
+    plain = make_actor(True)
+    want = plain.train_step(engine_sequences(plain))
+    full = make_actor(True, "model.recompute=full")
+    got = full.train_step(engine_sequences(full))
+    for key in ("train/loss", "train/grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (key, got[key], want[key])
