@@ -12,7 +12,7 @@ from megatron_dapo.engines.hf import HFEngine, checkpoint_views
 from megatron_dapo.engines.sglang.client import RouteLayout
 from megatron_dapo.models.arch import load_arch
 from megatron_dapo.types import SamplingParams, TokenizerInfo
-from tests.sglang.helpers import cpu_server, make_engine, save_model
+from tests.sglang.helpers import buckets, cpu_server, make_engine, save_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -85,3 +85,47 @@ def test_every_sample_carries_the_routes_transformers_takes(server, model_dir):
         same += int((engine_sets == ref.sort(-1).values).all(-1).sum())
         total += engine_sets.shape[0] * engine_sets.shape[1]
     assert same / total >= 0.97, f"the server's routes agree with transformers' on {same} of {total} token x layers"
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in checkpoint_views(_random_moe(seed).state_dict()).items()}
+
+
+def test_a_sync_of_every_expert_is_verified_and_the_server_routes_with_the_new_router(server):
+    """Per-expert HF tensors (the bridge's export) arrive in SGLang's stacked w13/w2 experts and are verified against
+    /weights_checker; the routes after the sync are the new model's."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.engines.sglang.sync import TensorSync
+    from megatron_dapo.models.hf_config import transformers_config
+
+    engine = make_engine(server, routes=LAYOUT)
+    try:
+        new = _weights(7)
+        report = TensorSync(engine, head_dim=ARCH.head_dim).sync(buckets(new), version=5)
+        # per layer: qkv, o, q/k norms, 2 norms, router, w13, w2; + embed, final norm, lm_head
+        assert (report.version, report.tensors, report.verified) == (5, len(new), 4 * 9 + 3)
+        samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0), n=1)
+    finally:
+        engine.shutdown(stop_servers=False)
+    model = AutoModelForCausalLM.from_config(transformers_config(ARCH, "float32"))
+    model.load_state_dict(_random_moe(7).state_dict())
+    hf = HFEngine(ARCH, TokenizerInfo((), 0), dtype="fp32", model=model, return_routes=True)
+    ref = hf.routes_of([s.prompt_ids + s.response_ids for s in samples])
+    same = sum(int((s.routes.sort(-1).values == r.sort(-1).values).all(-1).sum()) for s, r in zip(samples, ref))
+    assert same / sum(r.shape[0] * r.shape[1] for r in ref) >= 0.97
+
+
+def test_one_corrupted_expert_is_caught_and_named(server):
+    from megatron_dapo.engines.sglang.sync import TensorSync
+    from megatron_dapo.types import WeightSyncError
+    from tests.sglang.helpers import corrupting
+
+    engine = make_engine(server, routes=LAYOUT)
+    try:
+        name = "model.layers.2.mlp.experts.4.down_proj.weight"
+        sync = corrupting(TensorSync(engine, head_dim=ARCH.head_dim), name)
+        with pytest.raises(WeightSyncError, match=r"model.layers.2.mlp.experts.w2_weight"):
+            sync.sync(buckets(_weights(8)), version=6)
+    finally:
+        engine.shutdown(stop_servers=False)

@@ -7,7 +7,10 @@ its own layout: ``q_proj``/``k_proj``/``v_proj`` fused into ``qkv_proj`` and
 ``o_proj``/``down_proj`` row-parallel along dim 1), and the vocabulary padded with zero rows to a multiple of 64 (x TP
 when needed), split in equal row blocks (sglang/srt/layers/vocab_parallel_embedding.py). Per-head ``q_norm`` /
 ``k_norm`` weights are plain ``RMSNorm(head_dim)`` replicated on every rank (the same ``load_weights`` fuses the
-same five projections), so they need no rule of their own. ``/weights_checker {"action":
+same five projections), so they need no rule of their own. A mixture of experts (sglang/srt/layers/moe/fused_moe_triton/
+layer.py ``FusedMoE``) holds each layer's experts as two stacked parameters, ``mlp.experts.w13_weight`` [E, 2F/TP, H]
+(per expert ``gate_proj`` rows then ``up_proj`` rows, each the rank's slice: ``_load_w13``) and ``mlp.experts.w2_weight``
+[E, H, F/TP] (``down_proj``'s columns: ``_load_w2``); the router ``mlp.gate`` is replicated. ``/weights_checker {"action":
 "checksum"}`` answers one hash per parameter per TP rank (sglang/srt/utils/weight_checker.py ``_hash_tensor``).
 
 ``ServerChecksums`` rebuilds those shards from the tensors we send, cast to the server's dtype, and hashes them the way
@@ -32,6 +35,7 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
 _PROJ = re.compile(r"^(.*\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def server_tensor_hash(t: torch.Tensor) -> str:
@@ -64,8 +68,18 @@ class ServerChecksums:
         self.expected: dict[tuple[str, int], str] = {}
         self.sources: dict[str, list[str]] = {}  # SGLang name -> the HF names it is built from
         self._parts: dict[str, dict[int, torch.Tensor]] = {}
+        # a layer's experts, {prefix: {(expert, proj): tensor}} on the host until the layer's last one has come (the
+        # export sends them layer by layer: a tensor of another layer closes the open ones)
+        self._experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        e = _EXPERT.match(name)
+        if e is not None:
+            prefix, expert, proj = e.groups()
+            for other in [p for p in self._experts if p != prefix]:
+                self._finish_experts(other)
+            self._experts.setdefault(prefix, {})[(int(expert), proj)] = tensor.detach().to("cpu", self.dtype)
+            return
         t = tensor.detach().to(self.device, self.dtype)
         m = _PROJ.match(name)
         if m is None:
@@ -82,6 +96,8 @@ class ServerChecksums:
             self._finish(target, names, *(parts[i] for i in range(len(names))))
 
     def result(self) -> dict[tuple[str, int], str]:
+        for prefix in list(self._experts):
+            self._finish_experts(prefix)
         if self._parts:
             target, parts = next(iter(self._parts.items()))
             raise WeightSyncError(
@@ -98,6 +114,30 @@ class ServerChecksums:
         if sources != [name]:
             text += f" (fused as {name!r} on the server)"
         return text + (f" [TP rank {rank}]" if self.tp > 1 else "")
+
+    def _finish_experts(self, prefix: str) -> None:
+        parts = self._experts.pop(prefix)
+        count = 1 + max(e for e, _ in parts)
+        missing = [
+            f"{e}.{p}" for e in range(count) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts
+        ]
+        if missing:
+            raise WeightSyncError(f"weight sync: {prefix}w13_weight / w2_weight: experts {missing[:4]} were not sent")
+        tp = self.tp
+        for rank in range(tp):
+            w13 = torch.stack(
+                [
+                    torch.cat([parts[(e, "gate_proj")].chunk(tp)[rank], parts[(e, "up_proj")].chunk(tp)[rank]])
+                    for e in range(count)
+                ]
+            )
+            w2 = torch.stack([parts[(e, "down_proj")].chunk(tp, dim=1)[rank] for e in range(count)])
+            for target, shard, projs in (
+                (f"{prefix}w13_weight", w13, "gate_proj/up_proj"),
+                (f"{prefix}w2_weight", w2, "down_proj"),
+            ):
+                self.sources[target] = [f"{prefix}<0..{count - 1}>.{projs}.weight"]
+                self.expected[(target, rank)] = server_tensor_hash(shard.to(self.device))
 
     def _finish(self, target: str, names: list[str], *parts: torch.Tensor) -> None:
         self.sources[target] = names

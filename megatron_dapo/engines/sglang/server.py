@@ -228,7 +228,8 @@ class SGLangServer:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         write_args_file(self.args_file, api_key())
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # the server reads its key from the file
+        # the server reads its key from the file; a trainer's torch.distributed rendezvous is not the server's
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV and k not in TORCH_LAUNCH_VARS}
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n==== start {self.starts + 1}: {' '.join(self.argv())}\n".encode())
             logf.flush()
@@ -312,6 +313,17 @@ class SGLangServer:
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+# What torchrun / torch.distributed set for a trainer rank. A server started from a rank must not inherit them: SGLang
+# 0.5.23 keeps an inherited MASTER_ADDR / MASTER_PORT for its own process group on a CPU ("setdefault so an explicit
+# user-provided MASTER_ADDR/MASTER_PORT wins", sglang/srt/distributed/bootstrap.py _set_shm_master_env), then waits
+# forever at "Init parallel begin" on the trainer's rendezvous port.
+TORCH_LAUNCH_VARS = frozenset(
+    {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+)  # fmt: skip
 
 
 def server_env(device: str, memory_saver: bool) -> dict[str, str]:
