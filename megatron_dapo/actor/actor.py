@@ -88,11 +88,13 @@ class MegatronActor:
         )
 
         self.replay = routing_replay_enabled(cfg.rollout.routing_replay, self.arch)
+        self.routed = self.arch.is_moe  # the engine's routes come with the samples: replayed, or only compared
         if self.replay:
             routes.check_replay(cfg)
+        if self.routed:
             routes.clear_instances()
             self.replay_layers = routes.stage_moe_layers(self.arch, p.pp, self.pp_rank)
-        chunks = build_model(self.arch, cfg.model, p, routing_replay=self.replay)
+        chunks = build_model(self.arch, cfg.model, p, routing_replay=self.routed)
         self.tf_config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer
@@ -221,7 +223,7 @@ class MegatronActor:
             if key != "valid":
                 mb["sel_" + key] = mb[key].reshape(-1)[keep]
         mb["sel_index"] = keep.nonzero().squeeze(-1)
-        if self.replay and all(s.routes is not None for s in chosen):
+        if self.routed and all(s.routes is not None for s in chosen):
             a = self.arch
             r, ok = routes.packed_routes(chosen, layout.offsets, layout.total_tokens, len(self.moe_all), a.moe_topk)
             self._attach_routes(mb, r, ok)
@@ -276,7 +278,7 @@ class MegatronActor:
             "attention_mask": b.attention_mask.to(self.device),
         }
         mb.update({"sel_" + k: v.to(self.device) for k, v in sel.items()})
-        if self.replay and all(seqs[i].routes is not None for r in rows for i in r):
+        if self.routed and all(seqs[i].routes is not None for r in rows for i in r):
             r, ok = routes.padded_routes(
                 seqs, [s.prompt_len for s in seqs], rows, b.tokens.shape[1], len(self.moe_all), self.arch.moe_topk
             )
@@ -291,7 +293,7 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            targets = mb.get("router_targets")
+            targets = mb.get("router_targets") if self.replay or mb.get("probe") else None
             with routes.replaying(targets, record=mb.get("record_routes", False), keep_for_backward=recomputed):
                 out = model(
                     mb["tokens"],
@@ -314,7 +316,7 @@ class MegatronActor:
                 forward_only=forward_only,
             )
         finally:
-            if self.replay:
+            if self.routed:
                 routes.clear_replay()
 
     def _token_logprobs(self, mb: dict, model, hidden: torch.Tensor, with_entropy: bool):
@@ -404,7 +406,7 @@ class MegatronActor:
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
         if tis_cap and any(s.rollout_logprobs is None for s in seqs):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
-        replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.replay else {}
+        replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.routed else {}
         for m in self.model:
             m.train()
         parts, losses, grad_norms, tokens, trained_micro_batches = [], [], [], 0, 0
@@ -468,7 +470,9 @@ class MegatronActor:
         if self.replay:
             got = all_gather_small(covered if self.pp_rank == 0 else [0, 0], self.gloo)
             replay_metrics["routing/coverage"] = sum(g[0] for g in got) / max(1, sum(g[1] for g in got))
-            metrics.update(replay_metrics)
+        elif self.routed:
+            routes.warn_low_agreement(replay_metrics)
+        metrics.update(replay_metrics)
         metrics["train/old_logprob_pass_seqs"] = float(len(missing))
         if self.arch.is_moe and self.cfg.model.moe_aux_loss_coeff:
             metrics.update(routes.moe_aux_losses(self.arch, trained_micro_batches))

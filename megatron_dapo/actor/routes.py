@@ -13,6 +13,7 @@ reach no loss.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -22,6 +23,8 @@ from megatron_dapo.actor.gather import all_gather_small
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.types import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def stage_moe_layers(arch: ArchConfig, pp: int, stage: int) -> list[int]:
@@ -180,7 +183,12 @@ def routing_probe(actor, seqs: list[Sequence]) -> dict[str, float]:
         if mb is None:
             actor._run(mbs[:1], lambda m, model, hidden: (hidden.new_zeros(()), {}), forward_only=True)
             continue
-        probe = {**mb, "record_routes": record, "router_targets": None if record else mb["router_targets"]}
+        probe = {
+            **mb,
+            "probe": True,
+            "record_routes": record,
+            "router_targets": None if record else mb["router_targets"],
+        }
 
         def loss_fn(m, model, hidden, record=record):
             lp, _ = actor._token_logprobs(m, model, hidden, with_entropy=False)
@@ -201,6 +209,25 @@ def routing_probe(actor, seqs: list[Sequence]) -> dict[str, float]:
         "routing/logp_gap_replay": add[2] / max(1, add[3]),
         "routing/logp_gap_no_replay": add[4] / max(1, add[5]),
     }
+
+
+LOW_AGREEMENT = 0.9  # below it, with replay off, the step warns (Megatron-LM #4168: unreplayed MoE GRPO collapsed)
+_warned = [False]
+
+
+def warn_low_agreement(metrics: dict[str, float]) -> None:
+    """Replay off: say once, naming the key, when the trainer routes unlike the engine (``routing/agreement``)."""
+    agreement = metrics.get("routing/agreement")
+    if agreement is None or agreement >= LOW_AGREEMENT or _warned[0]:
+        return
+    _warned[0] = True
+    log.warning(
+        "routing/agreement = %.3f with rollout.routing_replay=false: the trainer routes %.0f%% of token x layer top-k "
+        "sets unlike the rollout engine, so the importance ratios compare different experts; set "
+        "rollout.routing_replay=true (or null) to replay the engine's routes",
+        agreement,
+        100 * (1 - agreement),
+    )
 
 
 def clear_instances() -> None:

@@ -431,7 +431,7 @@ def _tokenizer_info_from_config(config) -> TokenizerInfo:
 def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, model_path) -> HFEngine:
     """The in-process engine of ``rollout.engine: hf`` (engines/registry.py); it starts from the actor's weights."""
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
-    from megatron_dapo.models.arch import routing_replay_enabled
+    from megatron_dapo.models.arch import routes_wanted
 
     return HFEngine(
         arch,
@@ -439,7 +439,7 @@ def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, mode
         dtype=dtype,
         max_batch=cfg.rollout.hf_max_batch,
         seed=cfg.train.seed,
-        return_routes=routing_replay_enabled(cfg.rollout.routing_replay, arch),
+        return_routes=routes_wanted(cfg.rollout.routing_replay, arch),
     )
 
 

@@ -67,6 +67,13 @@ def routing_replay_enabled(setting: bool | None, arch: ArchConfig) -> bool:
     return arch.is_moe if setting is None else bool(setting)
 
 
+def routes_wanted(setting: bool | None, arch: ArchConfig) -> bool:
+    """Whether the rollout engine returns each sample's routed experts: for every mixture of experts, replay on or
+    off (off, the actor still measures how often it routes as the engine did: ``routing/agreement``)."""
+    routing_replay_enabled(setting, arch)  # a dense model with replay on is an error
+    return arch.is_moe
+
+
 def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 128) -> int:
     """Megatron pads the embedding so every TP rank gets an equal slice: round up to a multiple of 128 × TP."""
     step = multiple * tp

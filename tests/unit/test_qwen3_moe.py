@@ -159,14 +159,14 @@ def test_megatron_moe_model_names_and_logits_equal_hf(tmp_path):
 
 
 def test_sglang_servers_return_routes_for_replay_and_refuse_dense_layers():
-    """A server for an MoE run with routing replay asks SGLang for its routes; SGLang 0.5.23 builds every Qwen3-MoE
+    """A server for an MoE run asks SGLang for its routes (replayed, or with replay off compared); SGLang 0.5.23 builds every Qwen3-MoE
     layer sparse, so an architecture with a dense layer is refused with the SGLang engine, naming model.arch."""
     from megatron_dapo.config.run_config import load_config
     from megatron_dapo.engines.sglang.server import server_args
 
     assert "--enable-return-routed-experts" in server_args(load_config("demo_cpu_sglang", ["model.arch=tiny-moe-all"]))
     off = load_config("demo_cpu_sglang", ["model.arch=tiny-moe-all", "rollout.routing_replay=false"])
-    assert "--enable-return-routed-experts" not in server_args(off)
+    assert "--enable-return-routed-experts" in server_args(off)  # replay off: still compared (routing/agreement)
     assert "--enable-return-routed-experts" not in server_args(load_config("demo_cpu_sglang"))  # dense
     with pytest.raises(ConfigError, match=r"model.arch = 'tiny-moe'.*layers \[1\] are dense"):
         server_args(load_config("demo_cpu_sglang", ["model.arch=tiny-moe"]))

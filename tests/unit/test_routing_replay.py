@@ -157,3 +157,19 @@ def test_full_recompute_replays_in_the_recomputed_forward_too(make_actor):
     got = full.train_step(engine_sequences(full))
     for key in ("train/loss", "train/grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (key, got[key], want[key])
+
+
+def test_replay_off_measures_agreement_and_warns_naming_the_key(make_actor, caplog):
+    """Off, the engine's routes still come with the samples: the step logs how often the trainer routes alike, and
+    low agreement is a warning naming rollout.routing_replay (verl #7340: replay silently off)."""
+    import logging
+
+    from megatron_dapo.actor import routes
+
+    routes._warned[0] = False
+    actor = make_actor(False)
+    with caplog.at_level(logging.WARNING, logger="megatron_dapo.actor.routes"):
+        metrics = actor.train_step(engine_sequences(actor))
+    assert metrics["routing/agreement"] < routes.LOW_AGREEMENT and "routing/coverage" not in metrics
+    assert metrics["routing/logp_gap_replay"] < metrics["routing/logp_gap_no_replay"]
+    assert any("rollout.routing_replay=false" in r.getMessage() for r in caplog.records), caplog.text

@@ -612,11 +612,11 @@ class RouteLayout:
 
     @classmethod
     def of(cls, cfg) -> RouteLayout | None:
-        """The layout of ``cfg``'s model when routing replay is on (``rollout.routing_replay``), else None."""
-        from megatron_dapo.models.arch import load_arch, routing_replay_enabled
+        """The layout of ``cfg``'s model when it is a mixture of experts (``models.arch.routes_wanted``), else None."""
+        from megatron_dapo.models.arch import load_arch, routes_wanted
 
         arch = load_arch(cfg.model.arch)
-        if not routing_replay_enabled(cfg.rollout.routing_replay, arch):
+        if not routes_wanted(cfg.rollout.routing_replay, arch):
             return None
         moe = tuple(i for i, m in enumerate(arch.moe_layer_pattern()) if m)
         return cls(arch.num_layers, moe, arch.moe_topk)

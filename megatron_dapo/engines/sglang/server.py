@@ -356,15 +356,15 @@ def server_args(cfg) -> list[str]:
     elif cfg.model.tokenizer:
         args += ["--tokenizer-path", cfg.model.tokenizer]
     from megatron_dapo.config.typed_yaml import ConfigError
-    from megatron_dapo.models.arch import load_arch, routing_replay_enabled
+    from megatron_dapo.models.arch import load_arch, routes_wanted
     from megatron_dapo.models.registry import family_named
 
     arch = load_arch(cfg.model.arch)
     limits = family_named(arch.family).sglang_limits
     if limits is not None and (why := limits(arch)):
         raise ConfigError(f"model.arch = {cfg.model.arch!r} with rollout.engine = sglang: {why}")
-    if routing_replay_enabled(r.routing_replay, arch):
-        args.append("--enable-return-routed-experts")  # each response's routed experts, for the actor to replay
+    if routes_wanted(r.routing_replay, arch):  # each response's routed experts: the actor replays or compares them
+        args.append("--enable-return-routed-experts")
     return args + list(r.sglang_args)
 
 
