@@ -9,7 +9,7 @@ MCORE   ?= megatron-core==0.16.1
 SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 # the slowest tests, printed at the end of `make test` (where the suite's time goes, for whoever trims it next)
-PYTEST_DURATIONS ?= --durations=25
+PYTEST_DURATIONS ?= --durations=60
 # pytest-xdist workers, for machines with cores to spare (tests/conftest.py's scheduler keeps each shared SGLang server
 # and the local Slurm on one worker). 0 (one process) by default: on 2 cores the suite is CPU-bound, and 2 workers
 # measured no gain (25 min 22 s for 801 tests; one process 22 min 49 s for 758 the day before), each test ~2x slower.

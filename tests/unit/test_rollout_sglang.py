@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_generate_request_json_is_exactly_what_sglang_expects():
     engine = SGLangEngine.__new__(SGLangEngine)  # only the request builder; no servers
     engine.tokenizer = TokenizerInfo(eos_token_ids=(2,), pad_token_id=0)
+    engine.routes = None  # a dense model: no routed experts asked for
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=5, stop_token_ids=(9,), seed=3)
     req = SGLangEngine._request(engine, [5, 6, 7], sp, 1234, "rid-1")
     assert req.to_json() == {
@@ -41,6 +42,10 @@ def test_generate_request_json_is_exactly_what_sglang_expects():
     off = SGLangEngine._request(engine, [1], SamplingParams(top_k=-1, logprobs=False), None, "r")
     assert off.to_json()["sampling_params"]["top_k"] == -1 and off.to_json()["return_logprob"] is False
     assert "sampling_seed" not in off.to_json()["sampling_params"]
+    from megatron_dapo.engines.sglang.client import RouteLayout
+
+    engine.routes = RouteLayout(num_layers=4, moe_layers=(0, 1, 2, 3), topk=2)  # MoE: each response's experts
+    assert SGLangEngine._request(engine, [1], sp, None, "r").to_json()["return_routed_experts"] is True
 
 
 ROUND_TRIP = [
