@@ -70,7 +70,8 @@ def cpu_server(model_dir: Path, log_path: Path, *extra: str, **kwargs) -> SGLang
 
 def make_engine(server: SGLangServer, **kwargs) -> SGLangEngine:
     kwargs.setdefault("max_concurrency", 16)
-    return SGLangEngine([server], tokenizer_info=TokenizerInfo((), 0), dtype="bf16", start=False, **kwargs)
+    kwargs.setdefault("dtype", "bf16")  # what the weight sync sends
+    return SGLangEngine([server], tokenizer_info=TokenizerInfo((), 0), start=False, **kwargs)
 
 
 def hf_logprobs(weights: dict[str, torch.Tensor], samples, temperature: float = 1.0, arch: ArchConfig = ARCH,
