@@ -39,11 +39,15 @@ def layer_gemm_params(arch: ArchConfig, tp: int = 1) -> int:
     return (qkv + proj + 2 * f * h + h * f) // tp
 
 
+def local_expert_params(arch: ArchConfig, tp: int = 1, ep: int = 1) -> int:
+    """The experts of one MoE layer on one TP x EP rank: experts / EP SwiGLU experts, each split over TP (expert
+    TP = TP)."""
+    return arch.num_experts // ep * 3 * arch.moe_ffn_hidden_size * arch.hidden_size // tp
+
+
 def moe_mlp_params(arch: ArchConfig, tp: int = 1, ep: int = 1) -> int:
-    """The MLP of one MoE layer on one TP x EP rank: the router [experts, h] (replicated) and experts / EP SwiGLU
-    experts, each split over TP (expert TP = TP)."""
-    h, f = arch.hidden_size, arch.moe_ffn_hidden_size
-    return arch.num_experts * h + arch.num_experts // ep * 3 * f * h // tp
+    """The MLP of one MoE layer on one TP x EP rank: the router [experts, h] (replicated) and its local experts."""
+    return arch.num_experts * arch.hidden_size + local_expert_params(arch, tp, ep)
 
 
 def layer_params(arch: ArchConfig, tp: int = 1, layer: int = 0, ep: int = 1) -> int:
@@ -93,7 +97,7 @@ def expert_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         return 0
     per = arch.num_layers // pp
     layers = sum(arch.is_moe_layer(i) for i in range(pp_rank * per, (pp_rank + 1) * per))
-    return layers * (arch.num_experts // ep) * 3 * arch.moe_ffn_hidden_size * arch.hidden_size // tp
+    return layers * local_expert_params(arch, tp, ep)
 
 
 def stage_gemm_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1) -> int:
@@ -105,7 +109,7 @@ def stage_gemm_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int =
     for layer in range(pp_rank * per, (pp_rank + 1) * per):
         n += layer_gemm_params(arch, tp)
         if arch.is_moe_layer(layer):
-            n += (arch.num_experts // ep) * 3 * arch.moe_ffn_hidden_size * arch.hidden_size // tp - dense_mlp
+            n += local_expert_params(arch, tp, ep) - dense_mlp
     return n
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.engines.hf import HFEngine, checkpoint_views
-from megatron_dapo.engines.sglang.client import RouteLayout
+from megatron_dapo.engines.sglang.routes import RouteLayout
 from megatron_dapo.models.arch import load_arch
 from megatron_dapo.types import SamplingParams, TokenizerInfo
 from tests.sglang.helpers import buckets, cpu_server, make_engine, save_model

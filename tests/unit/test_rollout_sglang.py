@@ -42,7 +42,7 @@ def test_generate_request_json_is_exactly_what_sglang_expects():
     off = SGLangEngine._request(engine, [1], SamplingParams(top_k=-1, logprobs=False), None, "r")
     assert off.to_json()["sampling_params"]["top_k"] == -1 and off.to_json()["return_logprob"] is False
     assert "sampling_seed" not in off.to_json()["sampling_params"]
-    from megatron_dapo.engines.sglang.client import RouteLayout
+    from megatron_dapo.engines.sglang.routes import RouteLayout
 
     engine.routes = RouteLayout(num_layers=4, moe_layers=(0, 1, 2, 3), topk=2)  # MoE: each response's experts
     assert SGLangEngine._request(engine, [1], sp, None, "r").to_json()["return_routed_experts"] is True

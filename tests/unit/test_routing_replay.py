@@ -11,7 +11,7 @@ import torch
 from megatron_dapo.algo.batch import group_from_samples, to_sequences
 from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
-from megatron_dapo.engines.sglang.client import RouteLayout
+from megatron_dapo.engines.sglang.routes import RouteLayout
 from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
