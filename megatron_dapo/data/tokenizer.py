@@ -164,6 +164,11 @@ def is_char_tokenizer_dir(path: str | Path) -> bool:
     return (Path(path) / CHAR_TOKENIZER_FILE).is_file()
 
 
+def is_char_tokenizer(path: str | Path | None) -> bool:
+    """True for every tokenizer ``load_tokenizer`` builds as a ``CharTokenizer`` (None, a named symbol set, a saved dir)."""
+    return path is None or str(path) in NAMED_SYMBOLS or is_char_tokenizer_dir(path)
+
+
 def load_tokenizer(path: str | Path | None) -> Any:
     """``None`` / ``"char"`` -> ``CharTokenizer``; ``"char:tools"`` -> one that spells tool calls; a directory with ``char_tokenizer.json`` -> that char tokenizer;
     anything else -> ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)`` (never the hub).

@@ -67,3 +67,13 @@ def test_the_agent_runs_the_task_with_the_char_tokenizer_and_scores():
         assert RewardScorer().score(text, item)["acc"], text
         inserted = TOK.decode([i for i, m in zip(out.response_ids, out.loss_mask) if m == 0])
         assert inserted == f"\n<tool_response>\n{item.ground_truth}\n</tool_response>\n"
+
+
+def test_the_sglang_server_gets_no_hf_tokenizer_for_a_named_char_tokenizer():
+    """`char:tools` is no HF tokenizer: the server is started with --skip-tokenizer-init (ids in, ids out), as for `char`.
+    (tool_cpu_sglang once died at start-up: SGLang asked the hub for a repo named 'char:tools'.)"""
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.engines.sglang.server import server_args
+
+    args = server_args(load_config("tool_cpu_sglang"))
+    assert "--skip-tokenizer-init" in args and "--tokenizer-path" not in args

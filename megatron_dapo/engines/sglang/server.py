@@ -348,10 +348,9 @@ def server_args(cfg) -> list[str]:
     args = ["--random-seed", str(cfg.train.seed)]
     if r.sglang_deterministic:  # sampling_seed is ignored without it (GPU attention backends only)
         args.append("--enable-deterministic-inference")
-    from megatron_dapo.data.tokenizer import is_char_tokenizer_dir
+    from megatron_dapo.data.tokenizer import is_char_tokenizer
 
-    tokenizer = cfg.model.tokenizer or cfg.model.hf_init
-    if tokenizer is None or str(tokenizer) == "char" or is_char_tokenizer_dir(tokenizer):
+    if is_char_tokenizer(cfg.model.tokenizer or cfg.model.hf_init):
         args.append("--skip-tokenizer-init")  # the project's char tokenizer is no HF tokenizer: ids in, ids out
     elif cfg.model.tokenizer:
         args += ["--tokenizer-path", cfg.model.tokenizer]
