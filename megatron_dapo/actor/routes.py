@@ -243,6 +243,11 @@ def check_replay(cfg) -> None:
         raise ConfigError(
             f"rollout.routing_replay with parallel.cp = {cfg.parallel.cp}: not supported yet (use cp = 1)"
         )
+    if cfg.rollout.generate is not None:  # a multi-turn sample's routes are not joined across its turns yet
+        raise ConfigError(
+            f"rollout.routing_replay with rollout.generate = {cfg.rollout.generate!r}: a rollout function's samples "
+            "carry no routes yet; set rollout.routing_replay=false (the trainer routes itself)"
+        )
 
 
 def check_routes(seqs: list[Sequence], cfg) -> None:

@@ -36,6 +36,20 @@ def check_total_length(length: int, max_new_tokens: int) -> None:
         )
 
 
+def settle_finish(reason: str, response_ids: list[int], max_new_tokens: int, stops: frozenset[int]) -> str:
+    """The finish reason of an aborted request that in fact ended: SGLang runs an aborted request one more decode step
+    and reports "abort" even when that step emitted EOS (sglang/srt/managers/scheduler.py:5803, schedule_batch.py:2011
+    checks to_finish before stop tokens): it stopped, and a stop beats the length cap as in SGLang's own order
+    (schedule_batch.py:2030); aborted on its last budgeted token, it has its whole budget ('length')."""
+    if reason != "abort":
+        return reason
+    if response_ids and response_ids[-1] in stops:
+        return "stop"
+    if len(response_ids) >= max_new_tokens:
+        return "length"
+    return reason
+
+
 def version_lag_stats(token_lags: list[list[int]]) -> dict[str, float]:
     """Over a batch's response tokens (per sample, each token's lag): version_lag_mean / _max, partial_token_frac
     (tokens from older weights than the trainer's), offpolicy_sample_frac (samples with such a token)."""

@@ -275,8 +275,6 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("data.train_files", d.train_files, "give parquet files or set data.synthetic")
     if cfg.eval.n < 1:
         fail("eval.n", cfg.eval.n, "must be >= 1")
-    if r.generate is not None and r.partial:
-        fail("rollout.partial", r.partial, "a rollout function (rollout.generate) runs without partial rollout so far")
     if r.generate_concurrency < 1:
         fail("rollout.generate_concurrency", r.generate_concurrency, "must be >= 1")
     rw = cfg.reward

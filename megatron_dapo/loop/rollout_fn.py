@@ -8,18 +8,21 @@ out; ``client.encode`` / ``client.decode`` are the run's tokenizer. The function
 logprobs and a per-token loss mask (0 = inserted by the rollout, such as a tool's output: never trained). Calls run on
 ``rollout.generate_concurrency`` threads; the requests they make at the same moment go to the engine together, as one
 batch. Dynamic sampling stops a generation batch once it has its groups: the engine aborts what is in flight, later
-``client.generate`` calls raise ``RolloutAborted``, and the unfinished samples are dropped.
+``client.generate`` calls raise ``RolloutAborted``, and the unfinished samples are dropped; with ``rollout.partial``
+they are kept and resumed mid-turn (``ResumingClient``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import hashlib
 import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_dapo.algo.offpolicy import settle_finish
 from megatron_dapo.config.plugins import load_callable
 from megatron_dapo.types import GenRequest, RolloutInput, RolloutOutput, Sample, SamplingParams, sample_seed
 
@@ -57,16 +60,20 @@ class RolloutClient:
 
     def generate(self, input_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Sample:
         """One continuation of ``input_ids`` (the run's sampling settings, this budget and seed)."""
+        sample = self.request(input_ids, max_new_tokens, seed)
+        if sample.finish_reason == "abort" and self._cancelled.is_set():
+            raise RolloutAborted()
+        return sample
+
+    def request(self, input_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Sample:
+        """``generate``, but an aborted call returns what it had generated (finish_reason 'abort')."""
         if self._cancelled.is_set():
             raise RolloutAborted()
         if max_new_tokens < 1:
             raise ValueError(f"client.generate: max_new_tokens = {max_new_tokens}: must be >= 1")
         future: cf.Future = cf.Future()
         self._queue.put((GenRequest(list(input_ids), int(max_new_tokens), seed), future))
-        sample = future.result()
-        if sample.finish_reason == "abort" and self._cancelled.is_set():
-            raise RolloutAborted()
-        return sample
+        return future.result()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -107,6 +114,72 @@ class RolloutClient:
         self._thread.join(timeout=60)
 
 
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:20]
+
+
+class ResumingClient:
+    """The client a rollout function gets under partial rollout (``rollout.partial``): an aborted sample resumes
+    mid-turn. Its function runs again from the start; the engine calls it made before come back as they were (recorded
+    in ``calls``: tokens, logprobs, each token's weight version), the call the abort cut short is continued with the
+    budget it had left (its tokens so far are kept, never generated again), later calls are new. So a rollout function
+    must be a function of its input and of what the client returns (tools included); one that asks something else than
+    it did before (a tool whose output changed) gets new generations from there on, counted as
+    ``rollout/replay_diverged``. ``calls`` is plain data: it is checkpointed with the carried sample."""
+
+    def __init__(self, client: RolloutClient, calls: list[dict], version: int, stops: frozenset[int]):
+        self.client, self.calls, self.version, self.stops = client, calls, version, stops
+        self.tokenizer, self.sampling, self.eos_token_ids = client.tokenizer, client.sampling, client.eos_token_ids
+        self.k = 0  # the function's next call
+        self.diverged = False
+
+    def encode(self, text: str) -> list[int]:
+        return self.client.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.client.decode(ids)
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Sample:
+        key = _digest(input_ids)
+        if self.k < len(self.calls) and self.calls[self.k]["input"] != key:
+            del self.calls[self.k :]  # not what it asked before: new from here on
+            self.diverged = True
+        if self.k == len(self.calls):
+            self.calls.append({"input": key, "response_ids": [], "logprobs": [], "versions": [], "finish": "abort"})
+        call = self.calls[self.k]
+        if call["finish"] == "abort":
+            left = max_new_tokens - len(call["response_ids"])
+            if left >= 1:
+                s = self.client.request(list(input_ids) + call["response_ids"], left, seed)
+                call["response_ids"] += list(s.response_ids)
+                call["logprobs"] += list(s.logprobs)
+                call["versions"] += [self.version] * len(s.response_ids)
+                call["finish"] = settle_finish(s.finish_reason, call["response_ids"], max_new_tokens, self.stops)
+            else:
+                call["finish"] = "length"
+            if call["finish"] == "abort":
+                raise RolloutAborted()  # what it has stays in ``calls``: continued when the sample resumes
+        self.k += 1
+        return Sample(
+            list(input_ids),
+            list(call["response_ids"]),
+            list(call["logprobs"]),
+            call["finish"],
+            weight_version=min(call["versions"], default=self.version),
+        )
+
+    def token_versions(self, n: int, loss_mask: list[int] | None) -> list[int]:
+        """Per response token, the weights it was sampled on: the calls' tokens in order for the generated ones
+        (mask 1) when they add up, inserted tokens the current version (never trained); else, conservatively, the
+        oldest version of any call for every token."""
+        made = [v for c in self.calls[: self.k] for v in c["versions"]]
+        mask = loss_mask if loss_mask is not None else [1] * n
+        if sum(mask) == len(made):
+            versions = iter(made)
+            return [next(versions) if m else self.version for m in mask]
+        return [min(made, default=self.version)] * n
+
+
 class FunctionRollouts:
     """``rollout.generate``: the user's function per sample, on threads; groups of ``n`` Samples as they complete."""
 
@@ -141,7 +214,35 @@ class FunctionRollouts:
             pool.shutdown(wait=True, cancel_futures=True)
             client.close()
 
-    def _one(self, client: RolloutClient, item, sampling: SamplingParams, p: int, j: int) -> Sample | None:
+    def resume(self, jobs: list, sampling: SamplingParams, version: int, stops: frozenset[int]) -> Iterator[tuple]:
+        """Partial rollout: run ``jobs`` (item, group index, sample index, that sample's recorded calls: updated in
+        place) and yield ``(group index, sample index, Sample, per-token weight versions)`` as each finishes; an
+        aborted one yields nothing and keeps its calls for next time."""
+        self._cancelled.clear()
+        client = RolloutClient(self.engine, self.tokenizer, sampling, self._cancelled)
+        pool = cf.ThreadPoolExecutor(self.concurrency, thread_name_prefix="rollout-fn")
+
+        def run(item, gi: int, j: int, calls: list) -> tuple | None:
+            resuming = ResumingClient(client, calls, version, stops)
+            sample = self._one(resuming, item, sampling, gi, j)
+            if resuming.diverged:
+                self._sums["replay_diverged"][0] += 1
+            self._sums["replay_diverged"][1] += 1
+            if sample is None:
+                return None
+            return gi, j, sample, resuming.token_versions(len(sample.response_ids), sample.loss_mask)
+
+        try:
+            futures = [pool.submit(run, *job) for job in jobs]
+            for future in cf.as_completed(futures):
+                if (result := future.result()) is not None:
+                    yield result
+        finally:
+            self._cancelled.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            client.close()
+
+    def _one(self, client, item, sampling: SamplingParams, p: int, j: int) -> Sample | None:
         inp = RolloutInput(
             prompt_ids=list(item.prompt_ids),
             prompt_text=item.prompt_text,

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from megatron_dapo.algo.batch import Group, group_from_samples, to_sequences
-from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
+from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, settle_finish, version_lag_stats
 from megatron_dapo.algo.sampling import PromptOrderCollector
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.async_schedule import AsyncSchedule
 from megatron_dapo.loop.control import on_driver
-from megatron_dapo.loop.rollout_fn import EngineRollouts, make_rollouts
+from megatron_dapo.loop.rollout_fn import EngineRollouts, FunctionRollouts, make_rollouts
 from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
 
 
@@ -155,6 +155,8 @@ class Slot:
     text: str = ""
     resumed: int = 0  # times continued after an abort
     routes: Any = None  # the latest segment's routes: they cover the prompt and every token so far (routing replay)
+    loss_mask: list[int] | None = None  # a rollout function's (0 = a tool's output)
+    calls: list[dict] = field(default_factory=list)  # a rollout function's engine calls so far (ResumingClient)
 
     @property
     def finished(self) -> bool:
@@ -173,7 +175,11 @@ class Carried:
         return all(s.finished for s in self.slots)
 
     def oldest_version(self) -> int | None:
-        return min((v for s in self.slots for v in s.versions[:1]), default=None)
+        firsts = [v for s in self.slots for v in s.versions[:1]]
+        firsts += [
+            v for s in self.slots for c in s.calls for v in c["versions"][:1]
+        ]  # a rollout function's, unfinished
+        return min(firsts, default=None)
 
 
 class PartialSchedule(SyncSchedule):
@@ -228,6 +234,8 @@ class PartialSchedule(SyncSchedule):
             return collector.add(gi, group, torch.tensor(group.correct))
 
         cut = any(judge(gi) for gi, c in enumerate(entries) if c.complete)
+        if isinstance(self.rollouts, FunctionRollouts):
+            return judged, collector, self._run_functions(entries, sampling, judge, cut)
         requests, owners = [], []
         for gi, c in enumerate(entries):
             for j, slot in enumerate(c.slots):
@@ -255,6 +263,34 @@ class PartialSchedule(SyncSchedule):
                     engine.abort()  # the first informative groups in prompt order are in: keep the rest for later
         return judged, collector, finished
 
+    def _run_functions(self, entries: list[Carried], sampling: SamplingParams, judge, cut: bool) -> int:
+        """``_round`` for a rollout function (``rollout.generate``): each unfinished slot's function runs, resumed
+        mid-turn from its recorded calls; a finished sample fills its slot, an aborted one keeps its calls."""
+        jobs = [
+            (c.item, gi, j, slot.calls)
+            for gi, c in enumerate(entries)
+            for j, slot in enumerate(c.slots)
+            if not slot.finished
+        ]
+        if not jobs or cut:
+            return 0
+        begun = {(gi, j) for _, gi, j, calls in jobs if any(c["response_ids"] for c in calls)}
+        self._step["resumed_samples"] += len(begun)
+        finished = 0
+        for gi, j, sample, versions in self.rollouts.resume(jobs, sampling, self.version, self._stop_ids(sampling)):
+            slot = entries[gi].slots[j]
+            slot.resumed += (gi, j) in begun
+            slot.response_ids, slot.logprobs, slot.versions = list(sample.response_ids), list(sample.logprobs), versions
+            slot.loss_mask, slot.text, slot.finish_reason = sample.loss_mask, sample.text, sample.finish_reason
+            slot.finish_reason = "length" if slot.finish_reason == "abort" else slot.finish_reason  # it returned
+            slot.calls = []  # finished: its output is what is trained
+            check_total_length(len(slot.response_ids), self.cfg.rollout.sampling.max_new_tokens)
+            finished += 1
+            if not cut and entries[gi].complete and judge(gi):
+                cut = True
+                self.rollouts.abort()  # the first informative groups in prompt order are in: the rest resumes later
+        return finished
+
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a sample: the tokenizer's EOS ids and the sampling's stop ids (what the engines send)."""
         eos = self.engine.tokenizer.eos_token_ids if self.engine.tokenizer is not None else ()
@@ -268,14 +304,7 @@ class PartialSchedule(SyncSchedule):
         slot.versions += [self.version] * len(s.response_ids)
         if s.routes is not None:
             slot.routes = s.routes
-        slot.finish_reason = s.finish_reason
-        if slot.finish_reason == "abort" and slot.response_ids and slot.response_ids[-1] in stops:
-            # SGLang runs an aborted request one more decode step and reports "abort" even when that step emitted EOS
-            # (sglang/srt/managers/scheduler.py:5803, schedule_batch.py:2011 checks to_finish before stop tokens):
-            # it ended, and a stop beats the length cap as in SGLang's own order (schedule_batch.py:2030)
-            slot.finish_reason = "stop"
-        elif slot.finish_reason == "abort" and len(slot.response_ids) >= max_new:
-            slot.finish_reason = "length"  # aborted on its last token: it has its whole budget
+        slot.finish_reason = settle_finish(s.finish_reason, slot.response_ids, max_new, stops)
         check_total_length(len(slot.response_ids), max_new)
         info = self.engine.tokenizer
         decode = getattr(info, "decode", None)
@@ -294,6 +323,9 @@ class PartialSchedule(SyncSchedule):
             data_source=c.item.data_source,
             texts=[s.text for s in c.slots],
             token_lag=[[self.version - v for v in s.versions] for s in c.slots],
+            loss_masks=[list(s.loss_mask or [1] * len(s.response_ids)) for s in c.slots]
+            if any(s.loss_mask is not None for s in c.slots)
+            else [],
             routes=[s.routes for s in c.slots] if any(s.routes is not None for s in c.slots) else [],
         )
 

@@ -170,3 +170,17 @@ def test_sglang_servers_return_routes_for_replay_and_refuse_dense_layers():
     assert "--enable-return-routed-experts" not in server_args(load_config("demo_cpu_sglang"))  # dense
     with pytest.raises(ConfigError, match=r"model.arch = 'tiny-moe'.*layers \[1\] are dense"):
         server_args(load_config("demo_cpu_sglang", ["model.arch=tiny-moe"]))
+
+
+def test_routing_replay_refuses_what_it_cannot_replay_up_front():
+    """Replay with context parallelism, or through a rollout function (its samples carry no routes yet), is a
+    ConfigError naming the key before anything is built, never a silent fallback to the trainer's own routing."""
+    from megatron_dapo.actor.routes import check_replay
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.config.typed_yaml import ConfigError
+
+    check_replay(load_config("demo_moe_cpu_sglang"))
+    with pytest.raises(ConfigError, match="rollout.routing_replay with rollout.generate"):
+        check_replay(
+            load_config("demo_moe_cpu_sglang", ["rollout.generate=megatron_dapo.rollouts.single_turn:generate"])
+        )
