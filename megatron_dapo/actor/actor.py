@@ -27,6 +27,7 @@ from megatron_dapo.actor.micro_batches import micro_batch_budget, per_position_a
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
 from megatron_dapo.actor.step_metrics import step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
+from megatron_dapo.algo.corrections import check_correction
 from megatron_dapo.algo.loss import loss_denominator, policy_loss, sft_loss
 from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.data.geometry import micro_batch_geometry
@@ -87,6 +88,8 @@ class MegatronActor:
             torch.cuda.is_available() if p.distributed_optimizer is None else p.distributed_optimizer
         )
 
+        if cfg.tis_possible:
+            check_correction(cfg.algo.correction, p.cp)
         self.replay = routing_replay_enabled(cfg.rollout.routing_replay, self.arch)
         self.routed = self.arch.is_moe  # the engine's routes come with the samples: replayed, or only compared
         if self.replay:
@@ -406,6 +409,9 @@ class MegatronActor:
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
         if tis_cap and any(s.rollout_logprobs is None for s in seqs):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
+        rollout_old = a.old_logprobs == "rollout"
+        if rollout_old and any(s.rollout_logprobs is None for s in seqs):
+            raise ValueError("algo.old_logprobs = 'rollout' but a sequence has no rollout_logprobs (the engine's)")
         replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.routed else {}
         for m in self.model:
             m.train()
@@ -428,6 +434,8 @@ class MegatronActor:
             def loss_fn(mb, model, hidden, denominator=denominator, scale=scale, from_forward=from_forward):
                 lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=from_forward)
                 old = lp.detach() if from_forward else mb["sel_old_logprobs"]
+                if rollout_old:  # the PPO ratio against the rollout; the correction compares the policy with it
+                    old = mb["sel_rollout_logprobs"]
                 loss, metrics = policy_loss(
                     lp[None],
                     old[None],
@@ -442,6 +450,9 @@ class MegatronActor:
                     rollout_logprobs=mb["sel_rollout_logprobs"][None] if tis_cap else None,
                     tis_cap=tis_cap,
                     tis_mask=mb["sel_tis_mask"][None] if tis_cap and not self.cfg.tis_enabled else None,
+                    correction=a.correction,
+                    correction_bounds=tuple(a.correction_bounds),
+                    correction_reference=lp.detach()[None] if rollout_old and tis_cap else None,
                 )
                 out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
                 if from_forward:
@@ -482,6 +493,8 @@ class MegatronActor:
         """(the mini-batches, whether the first takes π_old from its training forward, the indices of the sequences
         whose π_old a separate pass computes first): what ``train_step`` runs, also read by ``actor/shares.py``."""
         minis = split_mini_batches(len(seqs), self.cfg.num_updates)
+        if self.cfg.algo.old_logprobs == "rollout":  # π_old is the rollout's: no pass; the first forward's for metrics
+            return minis, True, []
         first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
             seqs[i].old_logprobs is None for i in minis[0]
         )

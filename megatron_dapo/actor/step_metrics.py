@@ -18,7 +18,7 @@ def step_metrics(actor, parts, losses, grad_norms, tokens, seconds) -> dict[str,
     total_tokens = sum(g[2] for g in gathered) / max(1, actor.cfg.parallel.tp * actor.cfg.parallel.pp)
     tis = {}
     if actor.cfg.tis_possible:
-        keys = ("tis_mean", "tis_capped_frac", "tis_max", "tis_token_frac")
+        keys = ("tis_mean", "tis_capped_frac", "tis_max", "tis_min", "tis_token_frac", "tis_masked_frac")
         tis = {f"train/{k}": float(m.get(k, 0.0)) for k in keys}
     return {
         **tis,

@@ -135,17 +135,23 @@ def _rollout_logprobs(logprobs: list[float], length: int) -> torch.Tensor | None
     return torch.tensor(logprobs, dtype=torch.float32)
 
 
-def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -> dict[str, float]:
+def logprob_gap_stats(
+    groups: list[Group], actor_logprobs: list[torch.Tensor | None], unmeasured_ok: bool = False
+) -> dict[str, float]:
     """Mean and max |logp_rollout − logp_actor| over response tokens (rollout/training mismatch), the tokens sampled
     from older weights (``Group.token_lag`` > 0: they differ by the policy's change, not by a mismatch) left out.
 
     The two must align token for token: a sequence whose rollout and actor logprobs differ in length (an off-by-one
-    in the response offsets, a dropped EOS) is an error naming it, never silently left out of the statistic."""
+    in the response offsets, a dropped EOS) is an error naming it, never silently left out of the statistic.
+    ``unmeasured_ok``: sequences without actor logprobs (None) are left out (π_old from the rollout: only the first
+    mini-batch's forward measures the policy before the step)."""
     rollout = [(gi, j, lp) for gi, g in enumerate(groups) for j, lp in enumerate(g.rollout_logprobs)]
     if len(rollout) != len(actor_logprobs):
         raise ValueError(f"logprob gap: {len(rollout)} rollout sequences but {len(actor_logprobs)} actor sequences")
     gaps = []
     for (gi, j, r), a in zip(rollout, actor_logprobs):
+        if a is None and unmeasured_ok:
+            continue
         if len(r) != a.numel():
             raise ValueError(
                 f"logprob gap: group {gi} sample {j} has {len(r)} rollout logprobs but the actor computed "
@@ -170,6 +176,7 @@ def logprob_gap_stats(groups: list[Group], actor_logprobs: list[torch.Tensor]) -
 
 def policy_entropy(seqs: list[Sequence]) -> float:
     """Mean entropy of π_old over the tokens the policy generated (a tool's output left out)."""
+    seqs = [s for s in seqs if s.entropy is not None]  # π_old from the rollout: the first mini-batch's forward only
     ent = [s.entropy if s.generated is None else s.entropy[s.generated] for s in seqs]
     flat = torch.cat(ent) if ent else torch.zeros(0)
     return float(flat.mean()) if flat.numel() else 0.0

@@ -26,7 +26,9 @@ Rollout/train mismatch (truncated importance sampling; verl ``rollout_corr_helpe
 token's loss pg_t is multiplied by the constant weight w_t = min(exp(logp_old_t − logp_rollout_t), C), which corrects
 for sampling from π_rollout (another precision, other kernels) while the ratio r_t is taken against π_old.
 ``tis_mask`` restricts the weights to some tokens (the others weigh 1): partial rollout corrects only the tokens
-sampled from older weights than π_old (the proximal policy; verl ``rollout_corr``, AReaL decoupled PPO).
+sampled from older weights than π_old (the proximal policy; verl ``rollout_corr``, AReaL decoupled PPO). Token TIS is
+one of a family (``correction``: sequence TIS, masked IS, IcePop masking, geometric-mean rejection;
+``algo/corrections.py``).
 
 Metrics are computed over the valid tokens, without gradient. Besides the means they hold summable counts, so
 micro-batches (or ranks, after an all-gather) combine exactly with :func:`combine_loss_metrics`.
@@ -59,6 +61,8 @@ LOSS_METRIC_REDUCTIONS = {
     "tis_capped_tokens": "sum",
     "tis_max": "max",  # before the cap: how far the rollout strays
     "tis_tokens": "sum",  # tokens weighted (all valid ones without a tis_mask)
+    "tis_masked_tokens": "sum",  # weighted tokens the correction masked (weight 0: MIS, IcePop, rejection)
+    "tis_min": "min",  # before the correction, over the weighted tokens
 }
 
 
@@ -117,6 +121,9 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
     tis_mask: torch.Tensor | None = None,
+    correction: str = "token_tis",
+    correction_bounds: tuple[float, float] = (0.5, 2.0),
+    correction_reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO clipped policy-gradient loss (see the module docstring for the equations).
 
@@ -136,6 +143,12 @@ def policy_loss(
         rollout_logprobs, tis_cap: the rollout engine's logprobs [batch, seq] and the cap C of the truncated
             importance weights (both, or neither).
         tis_mask: [batch, seq] bool, the tokens the weights apply to (None = every valid token; the rest weigh 1).
+        correction, correction_bounds: which mismatch correction weighs the tokens (``algo/corrections.py``;
+            token_tis = min(π_old/π_rollout, tis_cap)) and the bounds of the masking ones.
+        correction_reference: [batch, seq] with π_old taken from the rollout (``old_logprobs`` = π_rollout), the
+            current policy's detached logprobs: the correction compares them with π_rollout and acts as a rejection
+            only (its zero weights mask tokens, the others weigh 1), since the PPO ratio π/π_rollout already carries
+            the mismatch (verl's bypass mode); reweighting again would count it twice. None = compare π_old.
 
     Returns:
         (loss, metrics): a 0-dim loss (float32, or float64 for float64 inputs) and a dict of 0-dim detached tensors:
@@ -175,7 +188,7 @@ def policy_loss(
     pg = torch.maximum(pg_unclipped, pg_clipped)
     if clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * clip_c), pg)
-    tis, weighted = None, valid
+    tis, corrected, weighted = None, None, valid
     if (rollout_logprobs is None) != (tis_cap is None):
         raise ValueError("rollout_logprobs and tis_cap go together (truncated importance sampling)")
     if rollout_logprobs is not None:
@@ -185,8 +198,21 @@ def policy_loss(
             if tis_mask.shape != shape:
                 raise ValueError(f"tis_mask has shape {tuple(tis_mask.shape)}; expected {tuple(shape)}")
             weighted = valid & (tis_mask if tis_mask.dtype == torch.bool else tis_mask != 0)
-        tis = truncated_is_weights(old_logprobs, rollout_logprobs, weighted, dtype)
-        pg = pg * tis.clamp(max=tis_cap)
+        reference = old_logprobs if correction_reference is None else correction_reference
+        if reference.shape != shape:
+            raise ValueError(f"correction_reference has shape {tuple(reference.shape)}; expected {tuple(shape)}")
+        tis = truncated_is_weights(reference, rollout_logprobs, weighted, dtype)
+        corrected = correction_weights(
+            correction,
+            tis_log_ratio(reference, rollout_logprobs, weighted, dtype),
+            weighted,
+            seq_ids,
+            cap=tis_cap,
+            bounds=tuple(correction_bounds),
+        )
+        if correction_reference is not None:
+            corrected = (corrected > 0).to(corrected.dtype)  # rejection only (see correction_reference)
+        pg = pg * corrected
     pg = torch.where(valid, pg, 0.0)
 
     if agg == "token-mean":
@@ -216,8 +242,26 @@ def policy_loss(
     loss = total / denom
 
     with torch.no_grad():
-        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis, tis_cap, weighted)
+        metrics = _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis, corrected, weighted)
     return loss, metrics
+
+
+def correction_weights(
+    correction: str, log_w: torch.Tensor, weighted: torch.Tensor, seq_ids: torch.Tensor | None, **args
+) -> torch.Tensor:
+    """[batch, seq] weights of the named correction over the ``weighted`` tokens (1 elsewhere); ``log_w`` the clamped
+    log-ratios log π_old − log π_rollout. Sequences are rows, or ``seq_ids`` for packed rows."""
+    from megatron_dapo.algo.corrections import correction_named
+
+    out = torch.ones_like(log_w)
+    if not bool(weighted.any()):
+        return out
+    seq, num_seqs = _sequence_index(weighted, seq_ids)
+    w = correction_named(correction)(log_w[weighted], seq, num_seqs, **args)
+    if w.shape != seq.shape or bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"algo.correction = {correction!r}: expected {seq.numel()} finite weights >= 0")
+    out[weighted] = w.to(out.dtype)
+    return out
 
 
 def truncated_is_weights(
@@ -227,11 +271,16 @@ def truncated_is_weights(
 
     The log-ratio is clamped to ±``MAX_LOG_RATIO`` as verl does (its SAFETY_BOUND), so a token the rollout engine
     found near-impossible cannot overflow; the cap makes any such weight C anyway."""
+    return torch.exp(tis_log_ratio(old_logprobs, rollout_logprobs, valid, dtype))
+
+
+def tis_log_ratio(old_logprobs, rollout_logprobs, valid, dtype) -> torch.Tensor:
+    """log π_old − log π_rollout per token, detached, clamped to ±``MAX_LOG_RATIO``, 0 where not ``valid``."""
     log_w = torch.where(valid, old_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype), 0.0)
-    return torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
-def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, tis_cap=None, weighted=None) -> dict:
+def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, corrected=None, weighted=None) -> dict:
     n = valid.sum(dtype=torch.int64)
     low = (valid & (adv < 0) & (ratio < 1.0 - eps_low)).sum(dtype=torch.int64)
     high = (valid & (adv > 0) & (ratio > 1.0 + eps_high)).sum(dtype=torch.int64)
@@ -257,11 +306,18 @@ def _metrics(valid, adv, ratio, log_ratio, eps_low, eps_high, clip_c, tis=None, 
         "tis_capped_tokens": torch.zeros_like(n),
         "tis_max": zero,
         "tis_tokens": torch.zeros_like(n),
+        "tis_masked_tokens": torch.zeros_like(n),
+        "tis_min": zero,
     }
     if tis is not None:
-        sums["tis_sum"] = torch.where(weighted, tis.clamp(max=tis_cap), 0.0).sum()
-        sums["tis_capped_tokens"] = (weighted & (tis > tis_cap)).sum(dtype=torch.int64)
+        sums["tis_sum"] = torch.where(weighted, corrected, 0.0).sum()
+        # tokens the correction changed (capped, masked or reweighted away from the plain ratio)
+        sums["tis_capped_tokens"] = (weighted & ~torch.isclose(corrected, tis)).sum(dtype=torch.int64)
+        sums["tis_masked_tokens"] = (weighted & (corrected == 0)).sum(dtype=torch.int64)
         sums["tis_max"] = torch.where(weighted, tis, 0.0).amax() if tis.numel() else zero
+        any_weighted = weighted.any()
+        low = torch.where(weighted, tis, torch.inf).amin() if tis.numel() else zero
+        sums["tis_min"] = torch.where(any_weighted, low, zero)
         sums["tis_tokens"] = weighted.sum(dtype=torch.int64)
     return loss_metrics_from_sums(sums)
 
@@ -280,6 +336,7 @@ def loss_metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         "tis_mean": sums["tis_sum"] / weighted,  # over the weighted tokens
         "tis_capped_frac": sums["tis_capped_tokens"] / weighted,
         "tis_token_frac": sums["tis_tokens"] / denom,
+        "tis_masked_frac": sums["tis_masked_tokens"] / weighted,
     }
     out.update({k: sums[k] for k in LOSS_METRIC_REDUCTIONS})
     return {k: v.detach() for k, v in out.items()}

@@ -164,6 +164,15 @@ class AlgoConfig:
     # auto = on when training and rollout precision differ (model.fp8)
     tis: Literal["auto", "on", "off"] = "auto"
     tis_cap: float = 2.0
+    # which mismatch correction weighs those tokens (algo/corrections.py): token_tis (min(ratio, tis_cap)), seq_tis,
+    # token_mis, seq_mis, icepop, geo_reject, or "package.module:function"; the masking ones keep ratios within
+    # correction_bounds
+    correction: str = "token_tis"
+    # pi_old, the policy the PPO ratio is taken against: recompute (the trainer's forward before the update, exact) or
+    # rollout (the engine's logprobs: no pi_old forward, as verl's fully async; the correction then compares the
+    # current policy, detached, with the rollout's)
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    correction_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
 
 
 @dataclass

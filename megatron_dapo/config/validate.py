@@ -44,6 +44,9 @@ _IGNORED_WHEN = {
     "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
     "algo.tis_cap": (lambda c: not c.tis_possible, "truncated importance sampling is off (algo.tis = {algo.tis!r})"),
+    "train.recompute_old_logprobs": (lambda c: c.algo.old_logprobs == "rollout", "algo.old_logprobs = 'rollout'"),
+    "algo.correction": (lambda c: not c.tis_possible, "mismatch corrections are off (algo.tis = {algo.tis!r})"),
+    "algo.correction_bounds": (lambda c: not c.tis_possible, "mismatch corrections are off (algo.tis = {algo.tis!r})"),
     "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
     "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
@@ -131,6 +134,9 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         )
     if a.tis_cap <= 0:
         fail("algo.tis_cap", a.tis_cap, "must be > 0 (the cap C of the importance weights min(pi_old/pi_rollout, C))")
+    lo_hi = a.correction_bounds  # the name is checked where corrections live (algo/corrections.py check_correction)
+    if len(lo_hi) != 2 or not 0 <= lo_hi[0] < 1 < lo_hi[1]:
+        fail("algo.correction_bounds", lo_hi, "expected [low, high] with 0 <= low < 1 < high (bounds of the ratio)")
     if a.gen_batch_prompts < 1:
         fail("algo.gen_batch_prompts", a.gen_batch_prompts, "must be >= 1")
     if not a.dynamic_sampling and a.gen_batch_prompts < t.batch_prompts:

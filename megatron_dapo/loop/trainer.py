@@ -151,7 +151,8 @@ class Trainer:
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
                     metrics.update(self.actor.train_step(seqs))
                 if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
-                    metrics.update(logprob_gap_stats(self.schedule.groups, [s.old_logprobs for s in seqs]))
+                    olds, unmeasured_ok = [s.old_logprobs for s in seqs], cfg.algo.old_logprobs == "rollout"
+                    metrics.update(logprob_gap_stats(self.schedule.groups, olds, unmeasured_ok))
                     metrics["train/entropy"] = policy_entropy(seqs)
                 metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)

@@ -156,3 +156,50 @@ def test_tis_weights_reach_the_loss_through_the_actor(make_actor):
     assert metrics["train/tis_max"] == pytest.approx(3.0, rel=1e-4)
     for mes, pred in zip(measured, predicted):
         assert mes == pytest.approx(pred, rel=0.1)
+
+
+def test_the_configured_correction_reaches_the_loss_through_the_actor(make_actor):
+    """algo.correction = icepop with bounds [0.6, 1.8]: of the weights 0.5, 1.5, 3 and 1 the outside ones mask their
+    response (weight 0) and the others weigh 1; ``train/tis_masked_frac`` counts the masked tokens."""
+    from megatron_dapo.algo.batch import to_sequences
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
+    actor = make_actor('algo.tis="on"', "algo.correction=icepop", "algo.correction_bounds=[0.6,1.8]")
+    groups = _groups(load_tokenizer(None))
+    seqs, _ = to_sequences(groups, actor.cfg)
+    for j, (lp, lw) in enumerate(zip(actor.compute_logprobs(seqs), [math.log(0.5), math.log(1.5), math.log(3.0), 0])):
+        groups[0].rollout_logprobs[j] = (lp - lw).tolist()
+    seqs, _ = to_sequences(groups, actor.cfg)
+    weights = [0.0, 1.0, 0.0, 1.0]
+    metrics, measured, predicted, hand_loss, g = _step_and_predict(actor, seqs, weights)
+    lens = [s.response_len for s in seqs]
+    assert metrics["train/loss"] == pytest.approx(hand_loss, rel=1e-4)
+    assert metrics["train/grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
+    assert metrics["train/tis_masked_frac"] == pytest.approx((lens[0] + lens[2]) / sum(lens), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "correction, weights", [("icepop", [1.1, 0.95, 0.0, 1.0]), ("token_tis", [1.1, 0.95, 3.0, 1.0])]
+)
+def test_pi_old_from_the_rollout_takes_the_ratio_against_it_and_the_correction_only_rejects(
+    make_actor, correction, weights
+):
+    """algo.old_logprobs = rollout: no π_old pass; the PPO ratio at the first update is π/π_rollout = w_j per response
+    (1.1, 0.95, 3, 1; the negative-advantage w = 3 is not clipped), so the loss and gradient weigh each response by
+    it, except that IcePop masks w = 3 (outside [0.5, 2]); a correction never multiplies by w again (token TIS would
+    make 1.21, 0.9025, 6, 1): rejection only."""
+    from megatron_dapo.algo.batch import to_sequences
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
+    actor = make_actor('algo.old_logprobs="rollout"', 'algo.tis="on"', f"algo.correction={correction}")
+    groups = _groups(load_tokenizer(None))
+    seqs, _ = to_sequences(groups, actor.cfg)
+    ratios = [1.1, 0.95, 3.0, 1.0]
+    for j, (lp, w) in enumerate(zip(actor.compute_logprobs(seqs), ratios)):
+        groups[0].rollout_logprobs[j] = (lp - math.log(w)).tolist()
+    seqs, _ = to_sequences(groups, actor.cfg)
+    metrics, measured, predicted, hand_loss, g = _step_and_predict(actor, seqs, weights)
+    assert metrics["train/old_logprob_pass_seqs"] == 0
+    assert metrics["train/loss"] == pytest.approx(hand_loss, rel=1e-4)
+    assert metrics["train/grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
+    assert metrics["train/ratio_max"] == pytest.approx(3.0, rel=1e-4)
