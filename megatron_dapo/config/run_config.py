@@ -135,8 +135,15 @@ class RolloutConfig:
     # one_step_off = step k+1's batch in the background on v_{k-1} while step k trains (async, max_staleness 1);
     # async = a producer running up to max_staleness weight versions ahead of the trainer. Both: engines on their own
     # devices (rollout.colocate = false); the weight sync waits for the batch in progress (a batch is one version)
-    schedule: Literal["sync", "one_step_off", "async"] = "sync"
+    # stream (loop/stream_schedule.py) = engines kept full across steps, the weight sync interrupting generation
+    # (the samples in flight keep their tokens and resume on the new weights)
+    schedule: Literal["sync", "one_step_off", "async", "stream"] = "sync"
     max_staleness: int = 2  # async: a batch is trained at most this many versions after the weights it started on
+    # stream: at most (1 + stream_staleness) x algo.gen_batch_prompts groups admitted and not yet trained: the share
+    # of a generation batch that may begin on weights older than those it is trained from (verl's staleness_threshold)
+    stream_staleness: float = 0.5
+    # steps between weight syncs (1 = every step); the engines generate on older weights meanwhile
+    sync_every: int = 1
     # your own rollout, "package.module:function" (loop/rollout_fn.py has the contract; megatron_dapo.rollouts.
     # tool_agent:generate is the built-in multi-turn tool agent), called per sample with generate_args as keywords;
     # null = the engine's own single-turn generation

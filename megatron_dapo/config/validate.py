@@ -47,7 +47,12 @@ _IGNORED_WHEN = {
     "train.recompute_old_logprobs": (lambda c: c.algo.old_logprobs == "rollout", "algo.old_logprobs = 'rollout'"),
     "algo.correction": (lambda c: not c.tis_possible, "mismatch corrections are off (algo.tis = {algo.tis!r})"),
     "algo.correction_bounds": (lambda c: not c.tis_possible, "mismatch corrections are off (algo.tis = {algo.tis!r})"),
-    "rollout.partial_max_age": (lambda c: not c.rollout.partial, "rollout.partial = false"),
+    "rollout.partial_max_age": (
+        lambda c: not c.rollout.partial and c.rollout.schedule != "stream",
+        "rollout.partial = false and rollout.schedule = {rollout.schedule!r}",
+    ),
+    "rollout.partial": (lambda c: c.rollout.schedule == "stream", "rollout.schedule = 'stream' (always partial)"),
+    "rollout.stream_staleness": (lambda c: c.rollout.schedule != "stream", "rollout.schedule = {rollout.schedule!r}"),
     "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
@@ -188,6 +193,21 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.partial_max_age", r.partial_max_age, "must be >= 1 (weight versions a carried group may lag)")
     if r.max_staleness < 1:
         fail("rollout.max_staleness", r.max_staleness, "must be >= 1 (weight versions the producer may run ahead)")
+    if r.stream_staleness < 0:
+        fail("rollout.stream_staleness", r.stream_staleness, "must be >= 0 (a share of algo.gen_batch_prompts)")
+    if r.sync_every < 1:
+        fail("rollout.sync_every", r.sync_every, "must be >= 1 (steps between weight syncs)")
+    if r.sync_every > 1 and r.schedule != "stream":
+        fail("rollout.sync_every", r.sync_every, "syncs less often than every step only with rollout.schedule=stream")
+    if r.sync_every > 1 and cfg.eval.interval % r.sync_every:
+        fail(
+            "eval.interval",
+            cfg.eval.interval,
+            f"must be a multiple of rollout.sync_every ({r.sync_every}): the engines evaluate the synced weights",
+        )
+    if r.schedule == "stream" and r.generate is not None:
+        fail("rollout.schedule", r.schedule, "a rollout function (rollout.generate) streams not yet: use sync with "
+             "rollout.partial=true (it resumes mid-turn) or one_step_off / async")  # fmt: skip
     if r.schedule != "sync" and r.colocate:
         fail(
             "rollout.schedule",

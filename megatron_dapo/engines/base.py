@@ -63,6 +63,12 @@ class RolloutEngine(Protocol):
         """Abort what is in flight and stop what the engine started."""
         ...
 
+    def stream_lanes(self) -> tuple[int, int]:
+        """(lanes, requests per call) for the streaming producer (``loop/stream_schedule.py``): how many
+        ``generate_requests`` calls may run at once and how many requests each takes. A server engine takes one request
+        per call on as many lanes as it runs at once; an in-process engine one lane of batches."""
+        ...
+
     @property
     def weight_version(self) -> int: ...
 
@@ -88,6 +94,9 @@ class EngineBase:
 
     def abort(self) -> None:
         pass
+
+    def stream_lanes(self) -> tuple[int, int]:
+        return 1, 64
 
 
 # ----------------------------------------------------------------------------------------------------------------------

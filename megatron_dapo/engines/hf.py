@@ -175,6 +175,9 @@ class HFEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------------------------
     # Lifecycle (nothing to release on CPU)
 
+    def stream_lanes(self) -> tuple[int, int]:
+        return 1, self.max_batch  # decodes one batch at a time, in lockstep
+
     def abort(self) -> None:
         self._abort.set()
 

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from megatron_dapo.algo.batch import Group, group_from_samples, to_sequences
-from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, settle_finish, version_lag_stats
+from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import PromptOrderCollector
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.async_schedule import AsyncSchedule
+from megatron_dapo.loop.carried import Carried, Slot, carried_group, extend_slot  # noqa: F401 (re-exported)
 from megatron_dapo.loop.control import on_driver
 from megatron_dapo.loop.rollout_fn import EngineRollouts, FunctionRollouts, make_rollouts
 from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
@@ -43,6 +42,10 @@ from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
 def make_schedule(cfg, engine, prompts, sampler, scorer, tokenizer=None):
     """``tokenizer``: the run's (a rollout function encodes a tool's output with it)."""
     rollouts = make_rollouts(cfg, engine, tokenizer) if engine is not None else None
+    if cfg.rollout.schedule == "stream":
+        from megatron_dapo.loop.stream_schedule import StreamSchedule
+
+        return StreamSchedule(cfg, engine, prompts, sampler, scorer)
     inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer, rollouts)
     return inner if cfg.rollout.schedule == "sync" else AsyncSchedule(cfg, inner)  # a producer thread drives inner
 
@@ -94,6 +97,9 @@ class SyncSchedule:
             raise ConfigError(
                 "the checkpoint holds samples carried by partial rollout; resume it with rollout.partial=true"
             )
+        if (state.get("stream") or {}).get("window"):
+            raise ConfigError("the checkpoint holds samples in flight of a streaming run: resume it with "
+                              "rollout.schedule=stream")  # fmt: skip
         if (state.get("async") or {}).get("ready"):
             raise ConfigError(
                 f"the checkpoint holds batches generated but not yet trained: resume it with "
@@ -142,44 +148,6 @@ class SyncSchedule:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Partial rollout
-
-
-@dataclass
-class Slot:
-    """One sample of a carried group: what it has generated so far, each token's weight version."""
-
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = "abort"  # "abort" = unfinished
-    text: str = ""
-    resumed: int = 0  # times continued after an abort
-    routes: Any = None  # the latest segment's routes: they cover the prompt and every token so far (routing replay)
-    loss_mask: list[int] | None = None  # a rollout function's (0 = a tool's output)
-    calls: list[dict] = field(default_factory=list)  # a rollout function's engine calls so far (ResumingClient)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason != "abort"
-
-
-@dataclass
-class Carried:
-    """A group in flight or finished but not yet judged: its prompt item and G slots."""
-
-    item: Any
-    slots: list[Slot]
-
-    @property
-    def complete(self) -> bool:
-        return all(s.finished for s in self.slots)
-
-    def oldest_version(self) -> int | None:
-        firsts = [v for s in self.slots for v in s.versions[:1]]
-        firsts += [
-            v for s in self.slots for c in s.calls for v in c["versions"][:1]
-        ]  # a rollout function's, unfinished
-        return min(firsts, default=None)
 
 
 class PartialSchedule(SyncSchedule):
@@ -297,37 +265,10 @@ class PartialSchedule(SyncSchedule):
         return frozenset(eos) | frozenset(sampling.stop_token_ids)
 
     def _extend(self, slot: Slot, s, max_new: int, stops: frozenset[int] = frozenset()) -> None:
-        if slot.response_ids and s.response_ids:
-            slot.resumed += 1
-        slot.response_ids += list(s.response_ids)
-        slot.logprobs += list(s.logprobs)
-        slot.versions += [self.version] * len(s.response_ids)
-        if s.routes is not None:
-            slot.routes = s.routes
-        slot.finish_reason = settle_finish(s.finish_reason, slot.response_ids, max_new, stops)
-        check_total_length(len(slot.response_ids), max_new)
-        info = self.engine.tokenizer
-        decode = getattr(info, "decode", None)
-        slot.text = info.text(slot.response_ids) if decode is not None else slot.text + s.text
+        extend_slot(slot, s, self.version, max_new, stops, self.engine.tokenizer)
 
     def _group(self, c: Carried) -> Group:
-        """A complete carried group, scored, its tokens tagged off-policy where older than the engines' weights."""
-        results = self.scorer.score_batch([s.text for s in c.slots], [c.item] * len(c.slots))
-        return Group(
-            prompt_ids=list(c.item.prompt_ids),
-            responses=[list(s.response_ids) for s in c.slots],
-            rollout_logprobs=[list(s.logprobs) for s in c.slots],
-            finish_reasons=[s.finish_reason for s in c.slots],
-            scores=[float(r["score"]) for r in results],
-            correct=[bool(r["acc"]) for r in results],
-            data_source=c.item.data_source,
-            texts=[s.text for s in c.slots],
-            token_lag=[[self.version - v for v in s.versions] for s in c.slots],
-            loss_masks=[list(s.loss_mask or [1] * len(s.response_ids)) for s in c.slots]
-            if any(s.loss_mask is not None for s in c.slots)
-            else [],
-            routes=[s.routes for s in c.slots] if any(s.routes is not None for s in c.slots) else [],
-        )
+        return carried_group(c, self.scorer, self.version)
 
     def _drop_stale(self) -> dict[str, int]:
         """Carried groups whose oldest token is more than ``rollout.partial_max_age`` versions old: dropped."""

@@ -157,10 +157,11 @@ class Trainer:
                 metrics = broadcast(metrics)
                 check_logprob_gap(metrics["train/logp_gap_mean"], cfg.rollout.logp_gap_alarm, step)
                 self.phases.to_rollout()  # the trainer's grads + optimizer to the host, the engines resume
-                with Timer("sync", times):  # one_step_off/async: the batch in progress finishes first (the boundary)
-                    self.schedule.before_sync()
-                    metrics.update(self.rollout.sync_weights(self.actor, version=step))
-                self.schedule.weights_updated(step)
+                if step % cfg.rollout.sync_every == 0 or final:  # else the engines keep generating on older weights
+                    with Timer("sync", times):  # one_step_off/async: the batch in progress finishes first; stream:
+                        self.schedule.before_sync()  # what is in flight is aborted and resumes on the new weights
+                        metrics.update(self.rollout.sync_weights(self.actor, version=step))
+                    self.schedule.weights_updated(step)
                 if cfg.eval.interval and step % cfg.eval.interval == 0 or final:
                     with Timer("eval", times):
                         metrics.update(self.evaluate(step))

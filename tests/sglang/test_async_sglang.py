@@ -1,4 +1,4 @@
-"""`dapo train --recipe demo_cpu_sglang` with ``rollout.schedule=one_step_off`` and partial rollout: the producer thread
+"""`dapo train --recipe demo_cpu_sglang` with ``rollout.schedule=one_step_off`` and partial rollout (and ``stream``): the producer thread
 drives the REAL SGLang CPU server over HTTP while the trainer trains; each step's batch after the first was generated
 on the weights one version behind, the sync (verified, every step) waits for it, and the run ends with its server
 stopped."""
@@ -26,5 +26,25 @@ def test_one_step_off_with_partial_rollout_on_the_real_server(tmp_path):
     assert 1e-5 < rows[1]["train/logp_gap_mean"] < 0.05  # the on-policy first step: server and actor agree
     assert all(rows[s]["rollout/carried_groups"] == 4 for s in rows)  # the surplus (12 - 8 prompts) is kept
     assert rows[3]["rollout/version_lag_max"] >= 2  # carried groups from an older batch: lag 1 + their age
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, f"the run left its server running: {leftovers}"
+
+
+def test_the_streaming_schedule_interrupts_the_real_server_at_each_sync(tmp_path):
+    """rollout.schedule=stream: the lanes keep the server busy across steps, the sync aborts what is in flight (the
+    samples resume on the new weights), every sync is verified, and the verl-style metrics are logged."""
+    dapo("train", "--recipe", "demo_cpu_sglang", *BASE, "train.steps=3", "rollout.schedule=stream",
+         "rollout.stream_staleness=0.5", "algo.gen_batch_prompts=12", f"train.run_dir={tmp_path}",
+         "train.name=stream")  # fmt: skip
+    run = tmp_path / "stream"
+    rows = {r["step"]: r for r in metrics(run)}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[1]["rollout/version_lag_max"] == 0.0  # the first batch: all on the initial weights
+    for s in (2, 3):
+        assert rows[s]["train/kept_groups"] == 8 and rows[s]["sync/tensors"] == 26
+        assert rows[s]["rollout/stale_samples"] > 0 and rows[s]["train/tis_token_frac"] > 0  # generated ahead
+    for key in ("trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "max_partial_span", "window_groups"):
+        assert all(f"rollout/{key}" in rows[s] for s in rows), key
+    assert "rollout/interrupted_samples_total" in rows[3] and rows[3]["rollout/window_groups"] == 18
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, f"the run left its server running: {leftovers}"

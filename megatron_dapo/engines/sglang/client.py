@@ -516,6 +516,11 @@ class SGLangEngine:
             routes=routes,
         )
 
+    def stream_lanes(self) -> tuple[int, int]:
+        """One request per call, as many at once as the servers run (their thread pools)."""
+        self._ensure_pools()
+        return max(1, sum(self.concurrency.values())), 1
+
     def abort(self) -> None:
         """Drop every request in flight: unstarted ones are cancelled, the workers abort all they hold
         (``abort_all``), and what reaches a worker after that is aborted as it arrives (``_reabort_stale``).

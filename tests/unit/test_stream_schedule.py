@@ -1,0 +1,173 @@
+"""The streaming schedule (loop/stream_schedule.py) on a fake engine that decodes one token per 5 ms on several lanes
+at once: a long generation in flight at a sync does not hold the sync; it resumes after it on the new weights, its
+later tokens carry the new version, and the correction weighs the older ones; nothing taken from the prompts is lost
+or trained twice across a checkpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megatron_dapo.algo.sampling import DynamicSampler
+from megatron_dapo.config.run_config import load_config
+from megatron_dapo.data.dataset import PromptItem
+from megatron_dapo.engines.base import EngineBase
+from megatron_dapo.loop.schedule import make_schedule
+from megatron_dapo.loop.stream_schedule import StreamSchedule
+from megatron_dapo.types import Sample, TokenizerInfo
+
+EOS, LONG, TICK = 1, 400, 0.005
+
+
+class SlowEngine(EngineBase):
+    """Each request decodes one token per TICK in its own lane; prompt 5's samples are LONG tokens, the others 3.
+    ``abort()`` ends every call in flight: the samples come back with what they have ('abort')."""
+
+    def __init__(self):
+        self.tokenizer = TokenizerInfo((EOS,), 0, decode=lambda ids: " ".join(map(str, ids)))
+        self.weight_version, self._gen, self.lock = 0, 0, threading.Lock()
+        self.requests: list = []
+
+    def stream_lanes(self):
+        return 8, 1
+
+    def generate_requests(self, requests, sampling):
+        gen = self._gen
+        for i, r in enumerate(requests):
+            with self.lock:
+                self.requests.append(r)
+            total = LONG if r.input_ids[0] == 5 else 3
+            have = len(r.input_ids) - 2
+            ids = []
+            while have + len(ids) < total and len(ids) < r.max_new_tokens:
+                if self._gen != gen:
+                    yield Sample(list(r.input_ids), ids, [-0.5] * len(ids), "abort", prompt_index=i)
+                    break
+                time.sleep(TICK)
+                ids.append(EOS if have + len(ids) == total - 1 else 10 + self.weight_version)
+            else:
+                yield Sample(list(r.input_ids), ids, [-0.5] * len(ids), "stop", prompt_index=i)
+
+    def abort(self):
+        self._gen += 1
+
+
+class Prompts:
+    """Prompts 0, 1, 2, ... in order (prompt_ids [index, 9]); the cursor is the state."""
+
+    def __init__(self):
+        self.position = 0
+
+    def take(self, n):
+        out = [PromptItem(self.position + k, [self.position + k, 9], "", "0", "fake", []) for k in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class AllRight:
+    def score_batch(self, texts, items):
+        return [{"score": 1.0, "acc": True} for _ in texts]
+
+    def metrics(self, reset=False):
+        return {}
+
+
+def cfg(*extra):
+    return load_config(None, ["data.synthetic=add2", "rollout.schedule=stream", "rollout.colocate=false",
+                              "rollout.stream_staleness=0", "algo.group_size=2", "algo.gen_batch_prompts=8",
+                              "train.batch_prompts=4", "train.mini_batch_prompts=4", "algo.dynamic_sampling=false",
+                              "algo.overlong_penalty=false", "rollout.sampling.max_new_tokens=500", *extra])  # fmt: skip
+
+
+def schedule(c, engine):
+    s = make_schedule(c, engine, Prompts(), DynamicSampler(4, 0, enabled=False), AllRight())
+    assert isinstance(s, StreamSchedule)
+    return s
+
+
+def test_a_sync_does_not_wait_for_a_long_generation_which_resumes_on_the_new_weights():
+    c, engine = cfg(), SlowEngine()
+    s = schedule(c, engine)
+    try:
+        seqs, (metrics, _) = s.next_batch(1)
+        assert [g.prompt_ids[0] for g in s.groups] == [0, 1, 2, 3] and len(seqs) == 8
+        long_group = next(g for g in s.window if g.item.index == 5)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        s.before_sync()  # 400 tokens at 5 ms: 2 s to finish; the sync must not wait for it
+        waited = time.monotonic() - t0
+        assert waited < 0.5, f"the sync waited {waited:.2f} s for the generation in flight"
+        had = [len(slot.response_ids) for slot in long_group.slots]
+        assert all(0 < n < LONG for n in had) and all(set(slot.versions) == {0} for slot in long_group.slots)
+        s.weights_updated(1)
+        engine.weight_version = 1
+        s.next_batch(2)  # prompts 4..7: waits for prompt 5, resumed with the budget it has left
+        resumed = [r for r in engine.requests if r.input_ids[0] == 5 and len(r.input_ids) > 2]
+        assert resumed and all(r.max_new_tokens == 500 - (len(r.input_ids) - 2) for r in resumed)
+        g = next(g for g in s.groups if g.prompt_ids[0] == 5)
+        for row, n, resp in zip(g.token_lag, had, g.responses):
+            assert len(resp) == LONG and row == [1] * n + [0] * (LONG - n)  # step 2 trains version 1's weights
+            assert resp[n:-1] == [11] * (LONG - n - 1)  # tokens after the sync: the new weights'
+        seqs, metrics = s.groups, s._metrics(time.monotonic(), 0)
+        assert metrics["rollout/partial_ratio"] > 0 and metrics["rollout/max_partial_span"] == 1
+        from megatron_dapo.algo.batch import to_sequences
+
+        k = [x.prompt_ids[0] for x in s.groups].index(5)
+        for seq, row in zip(to_sequences(s.groups, c)[0][2 * k : 2 * k + 2], g.token_lag):
+            assert seq.tis_mask.tolist() == [lag > 0 for lag in row]  # the correction weighs the older tokens
+    finally:
+        s.close()
+
+
+def test_a_checkpoint_keeps_the_window_so_no_prompt_is_lost_or_trained_twice():
+    c, engine = cfg(), SlowEngine()
+    a = schedule(c, engine)
+    trained = []
+    try:
+        a.next_batch(1)
+        trained += [g.prompt_ids[0] for g in a.groups]
+        a.before_sync()
+        a.weights_updated(1)
+        state = a.state_dict()
+    finally:
+        a.close()
+    assert state["stream"]["window"] and any(
+        s["response_ids"] and s["finish_reason"] == "abort" for c_ in state["stream"]["window"] for s in c_["slots"]
+    )
+    b = schedule(c, SlowEngine())
+    b.load_state_dict(state)
+    b.weights_updated(1)
+    try:
+        for step in (2, 3, 4):
+            b.next_batch(step)
+            trained += [g.prompt_ids[0] for g in b.groups]
+            b.before_sync()
+            b.weights_updated(step)
+    finally:
+        b.close()
+    assert trained == list(range(16))  # prompt order, each once
+    with pytest.raises(Exception, match="rollout.schedule=stream"):
+        sync = load_config("demo_cpu", ["algo.group_size=2"])
+        make_schedule(sync, SlowEngine(), Prompts(), DynamicSampler(4, 0, enabled=False), AllRight()).load_state_dict(
+            state
+        )
+
+
+def test_stream_settings_are_checked_up_front():
+    from megatron_dapo.config.typed_yaml import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.sync_every = 2: syncs less often"):
+        load_config("demo_cpu", ["rollout.sync_every=2"])
+    with pytest.raises(ConfigError, match="eval.interval"):
+        cfg("rollout.sync_every=2", "eval.interval=3")
+    with pytest.raises(ConfigError, match="rollout.stream_staleness"):
+        load_config("demo_cpu", ["rollout.stream_staleness=0.2"])  # ignored by sync: named
+    assert cfg("rollout.sync_every=2", "eval.interval=4").rollout.sync_every == 2
