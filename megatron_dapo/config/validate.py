@@ -205,9 +205,6 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             cfg.eval.interval,
             f"must be a multiple of rollout.sync_every ({r.sync_every}): the engines evaluate the synced weights",
         )
-    if r.schedule == "stream" and r.generate is not None:
-        fail("rollout.schedule", r.schedule, "a rollout function (rollout.generate) streams not yet: use sync with "
-             "rollout.partial=true (it resumes mid-turn) or one_step_off / async")  # fmt: skip
     if r.schedule != "sync" and r.colocate:
         fail(
             "rollout.schedule",

@@ -82,3 +82,12 @@ def carried_group(c: Carried, scorer, version: int) -> Group:
         else [],
         routes=[s.routes for s in c.slots] if any(s.routes is not None for s in c.slots) else [],
     )
+
+
+def finish_slot(slot: Slot, sample, versions: list[int], max_new: int) -> None:
+    """A rollout function's finished sample fills its slot (its output is what is trained; its calls are done)."""
+    slot.response_ids, slot.logprobs, slot.versions = list(sample.response_ids), list(sample.logprobs), versions
+    slot.loss_mask, slot.text = sample.loss_mask, sample.text
+    slot.finish_reason = "length" if sample.finish_reason == "abort" else sample.finish_reason  # it returned
+    slot.calls = []
+    check_total_length(len(slot.response_ids), max_new)

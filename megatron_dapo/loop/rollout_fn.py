@@ -223,14 +223,8 @@ class FunctionRollouts:
         pool = cf.ThreadPoolExecutor(self.concurrency, thread_name_prefix="rollout-fn")
 
         def run(item, gi: int, j: int, calls: list) -> tuple | None:
-            resuming = ResumingClient(client, calls, version, stops)
-            sample = self._one(resuming, item, sampling, gi, j)
-            if resuming.diverged:
-                self._sums["replay_diverged"][0] += 1
-            self._sums["replay_diverged"][1] += 1
-            if sample is None:
-                return None
-            return gi, j, sample, resuming.token_versions(len(sample.response_ids), sample.loss_mask)
+            done = self.run_one(client, item, sampling, gi, j, calls, version, stops)
+            return None if done is None else (gi, j, *done)
 
         try:
             futures = [pool.submit(run, *job) for job in jobs]
@@ -241,6 +235,27 @@ class FunctionRollouts:
             self._cancelled.set()
             pool.shutdown(wait=True, cancel_futures=True)
             client.close()
+
+    def client(self, sampling: SamplingParams) -> RolloutClient:
+        """A client for ``run_one`` calls (the streaming schedule keeps one; ``abort`` stops its callers)."""
+        self._cancelled.clear()
+        return RolloutClient(self.engine, self.tokenizer, sampling, self._cancelled)
+
+    def run_one(self, client, item, sampling, gi: int, j: int, calls: list, version: int, stops: frozenset[int]):
+        """One sample's function, resumed from its recorded ``calls`` (updated in place): ``(Sample, per-token
+        versions)``, or None when it was aborted (it keeps its calls for next time)."""
+        resuming = ResumingClient(client, calls, version, stops)
+        sample = self._one(resuming, item, sampling, gi, j)
+        if resuming.diverged:
+            self._sums["replay_diverged"][0] += 1
+        self._sums["replay_diverged"][1] += 1
+        if sample is None:
+            return None
+        return sample, resuming.token_versions(len(sample.response_ids), sample.loss_mask)
+
+    def resume_lanes(self) -> None:
+        """The streaming schedule's lanes may call again after an abort."""
+        self._cancelled.clear()
 
     def _one(self, client, item, sampling: SamplingParams, p: int, j: int) -> Sample | None:
         inp = RolloutInput(

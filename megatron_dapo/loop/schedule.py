@@ -28,12 +28,12 @@ import dataclasses
 import torch
 
 from megatron_dapo.algo.batch import Group, group_from_samples, to_sequences
-from megatron_dapo.algo.offpolicy import check_total_length, remaining_budget, version_lag_stats
+from megatron_dapo.algo.offpolicy import remaining_budget, version_lag_stats
 from megatron_dapo.algo.sampling import PromptOrderCollector
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.async_schedule import AsyncSchedule
-from megatron_dapo.loop.carried import Carried, Slot, carried_group, extend_slot  # noqa: F401 (re-exported)
+from megatron_dapo.loop.carried import Carried, Slot, carried_group, extend_slot, finish_slot  # noqa: F401 (re-exported)
 from megatron_dapo.loop.control import on_driver
 from megatron_dapo.loop.rollout_fn import EngineRollouts, FunctionRollouts, make_rollouts
 from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
@@ -45,7 +45,7 @@ def make_schedule(cfg, engine, prompts, sampler, scorer, tokenizer=None):
     if cfg.rollout.schedule == "stream":
         from megatron_dapo.loop.stream_schedule import StreamSchedule
 
-        return StreamSchedule(cfg, engine, prompts, sampler, scorer)
+        return StreamSchedule(cfg, engine, prompts, sampler, scorer, rollouts)
     inner = (PartialSchedule if cfg.rollout.partial else SyncSchedule)(cfg, engine, prompts, sampler, scorer, rollouts)
     return inner if cfg.rollout.schedule == "sync" else AsyncSchedule(cfg, inner)  # a producer thread drives inner
 
@@ -248,11 +248,7 @@ class PartialSchedule(SyncSchedule):
         for gi, j, sample, versions in self.rollouts.resume(jobs, sampling, self.version, self._stop_ids(sampling)):
             slot = entries[gi].slots[j]
             slot.resumed += (gi, j) in begun
-            slot.response_ids, slot.logprobs, slot.versions = list(sample.response_ids), list(sample.logprobs), versions
-            slot.loss_mask, slot.text, slot.finish_reason = sample.loss_mask, sample.text, sample.finish_reason
-            slot.finish_reason = "length" if slot.finish_reason == "abort" else slot.finish_reason  # it returned
-            slot.calls = []  # finished: its output is what is trained
-            check_total_length(len(slot.response_ids), self.cfg.rollout.sampling.max_new_tokens)
+            finish_slot(slot, sample, versions, self.cfg.rollout.sampling.max_new_tokens)
             finished += 1
             if not cut and entries[gi].complete and judge(gi):
                 cut = True

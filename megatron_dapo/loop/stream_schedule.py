@@ -37,14 +37,18 @@ from megatron_dapo.algo.batch import Group, to_sequences
 from megatron_dapo.algo.offpolicy import remaining_budget, version_lag_stats
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.data.dataset import PromptItem
-from megatron_dapo.loop.carried import Carried, Slot, carried_group, extend_slot
+from megatron_dapo.loop.carried import Carried, Slot, carried_group, extend_slot, finish_slot
 from megatron_dapo.loop.control import on_driver
+from megatron_dapo.loop.rollout_fn import FunctionRollouts
 from megatron_dapo.types import GenRequest, SamplingParams, sample_seed
 
 
 class StreamSchedule:
-    def __init__(self, cfg, engine, prompts, sampler, scorer):
+    def __init__(self, cfg, engine, prompts, sampler, scorer, rollouts=None):
         self.cfg, self.engine, self.prompts, self.sampler, self.scorer = cfg, engine, prompts, sampler, scorer
+        # a rollout function (rollout.generate): one sample per lane, resumed mid-turn (loop/rollout_fn.py)
+        self.functions = rollouts if isinstance(rollouts, FunctionRollouts) else None
+        self._client = None
         self.G, self.max_new = cfg.algo.group_size, cfg.rollout.sampling.max_new_tokens
         self.limit = math.ceil((1 + cfg.rollout.stream_staleness) * cfg.algo.gen_batch_prompts)
         self.groups: list[Group] = []  # the last batch's (rank 0)
@@ -103,6 +107,8 @@ class StreamSchedule:
         stats["samples_generated"] = len(generated)
         stats["server_restarts"] = self.engine.step_restarts
         stats.update(self.scorer.metrics(reset=True))
+        if self.functions is not None:
+            stats.update(self.functions.metrics(reset=True))  # rollout/<name>: the function's own numbers
         return seqs, (metrics, stats)
 
     def before_sync(self) -> None:
@@ -119,6 +125,9 @@ class StreamSchedule:
             self._cond.notify_all()
         if self._lanes and self.engine is not None:
             self.engine.abort()
+        if self._client is not None:
+            self.functions.abort()
+            self._client.close()
         for t in self._lanes:
             t.join(timeout=30)
 
@@ -130,12 +139,17 @@ class StreamSchedule:
                 self._sampling = SamplingParams.from_config(self.cfg.rollout.sampling, seed=self.cfg.train.seed)
                 self._stops = frozenset(eos) | frozenset(self._sampling.stop_token_ids)
                 lanes, self._per_call = self.engine.stream_lanes()
+                if self.functions is not None:  # each lane runs one sample's function; their calls batch
+                    lanes, self._per_call = self.functions.concurrency, 1
+                    self._client = self.functions.client(self._sampling)
                 self._lanes = [
                     threading.Thread(target=self._lane, name=f"stream-lane-{i}", daemon=True) for i in range(lanes)
                 ]
                 for t in self._lanes:
                     t.start()
             self._refill()
+            if self.functions is not None:
+                self.functions.resume_lanes()
             self._paused = False
             self._cond.notify_all()
 
@@ -168,6 +182,9 @@ class StreamSchedule:
                 version = self.version
             unfinished = []
             try:
+                if self.functions is not None:
+                    unfinished = self._run_function(*work[0], version)
+                    continue
                 for s in self.engine.generate_requests([self._request(c, j) for c, j in work], sampling):
                     c, j = work[s.prompt_index]
                     with self._cond:
@@ -189,6 +206,21 @@ class StreamSchedule:
                         self._lanes_idle_since = time.monotonic()
                     self._cond.notify_all()
 
+    def _run_function(self, c: Carried, j: int, version: int) -> list:
+        """A rollout function's sample, resumed from its recorded calls: finished, or back in the queue."""
+        slot = c.slots[j]
+        had = any(call["response_ids"] for call in slot.calls)
+        done = self.functions.run_one(
+            self._client, c.item, self._sampling, c.item.index, j, slot.calls, version, self._stops
+        )
+        with self._cond:
+            self.totals["resumed_samples"] += had
+            if done is None:
+                return [(c, j)]
+            finish_slot(slot, *done, self.max_new)
+            self._cond.notify_all()
+        return []
+
     def _interrupt(self) -> None:
         """Rank 0: pause the lanes and abort what is in flight, until no call is running (an abort can race a lane's
         call that is just starting: it is aborted again)."""
@@ -196,7 +228,10 @@ class StreamSchedule:
             self._paused = True
             busy = self._busy
         while busy:
-            self.engine.abort()
+            if self.functions is not None:
+                self.functions.abort()  # their next client call raises RolloutAborted; what they had is recorded
+            else:
+                self.engine.abort()
             with self._cond:
                 self._cond.wait(timeout=0.05)
                 busy = self._busy

@@ -72,6 +72,18 @@ class Prompts:
         self.position = state["position"]
 
 
+class BytePrompts(Prompts):
+    """Prompt k is [k + 2] + "q=" in the byte tokenizer of tests/unit/test_tool_agent.py."""
+
+    def take(self, n):
+        from tests.unit.test_tool_agent import TOK
+
+        out = [PromptItem(self.position + k, [self.position + k + 2, *TOK.encode("q=")], "q=", "178377", "tool", [])
+               for k in range(n)]  # fmt: skip
+        self.position += n
+        return out
+
+
 class AllRight:
     def score_batch(self, texts, items):
         return [{"score": 1.0, "acc": True} for _ in texts]
@@ -171,3 +183,50 @@ def test_stream_settings_are_checked_up_front():
     with pytest.raises(ConfigError, match="rollout.stream_staleness"):
         load_config("demo_cpu", ["rollout.stream_staleness=0.2"])  # ignored by sync: named
     assert cfg("rollout.sync_every=2", "eval.interval=4").rollout.sync_every == 2
+
+
+def test_a_tool_agent_streams_and_a_sync_mid_turn_resumes_it_on_the_new_weights():
+    """rollout.generate with stream: each lane runs one sample's tool agent; the sync cuts an answer turn short, it
+    resumes after the sync from its recorded calls (the cut turn continued, not regenerated) and the tool's output
+    stays masked; the tokens after the sync carry the new version."""
+    from megatron_dapo.loop.rollout_fn import FunctionRollouts
+    from tests.unit.test_partial_rollout_fn import ANSWER, INSERTED, CuttingEngine
+    from tests.unit.test_tool_agent import CALL, TOK
+
+    c = cfg("rollout.generate=megatron_dapo.rollouts.tool_agent:generate", "rollout.generate_args={tools: [calculator]}",
+            "rollout.generate_concurrency=4", "algo.gen_batch_prompts=4")  # fmt: skip
+    engine = CuttingEngine(version=0)
+    engine.new_step, engine.step_restarts = (lambda: None), 0
+    engine.stream_lanes = lambda: (4, 1)
+    cut, aborted = threading.Event(), threading.Event()
+    real = engine.generate_requests
+
+    def slow_answers(requests, sampling):  # prompt 5's answer turn: 4 tokens, then held until the sync aborts it
+        for s in real(requests, sampling):
+            if s.prompt_ids[0] == 5 + 2 and "<tool_response>" in TOK.decode(s.prompt_ids) and not cut.is_set():
+                cut.set()
+                aborted.wait(10)
+                s = Sample(s.prompt_ids, s.response_ids[:4], s.logprobs[:4], "abort", prompt_index=s.prompt_index)
+            yield s
+
+    engine.generate_requests, engine.abort = slow_answers, aborted.set
+    rollouts = FunctionRollouts(c.rollout.generate, dict(c.rollout.generate_args), 4, engine, TOK)
+    s = StreamSchedule(c, engine, BytePrompts(), DynamicSampler(4, 0, enabled=False), AllRight(), rollouts)
+    try:
+        s.next_batch(1)
+        assert cut.wait(5)
+        s.before_sync()
+        s.weights_updated(1)
+        engine.weight_version = 1
+        s.next_batch(2)
+        g = next(g for g in s.groups if g.prompt_ids[0] == 5 + 2)
+        turn1 = TOK.encode(CALL) + [1]
+        answer = TOK.encode(ANSWER) + [1]
+        for resp, mask, lag in zip(g.responses, g.loss_masks, g.token_lag):
+            assert resp == turn1 + INSERTED + answer and mask == [1] * len(turn1) + [0] * len(INSERTED) + [1] * len(
+                answer
+            )
+        cut_row = next(row for row in g.token_lag if row[-1] == 0 and row[0] == 1)
+        assert cut_row[len(turn1) + len(INSERTED) :][:4] == [1] * 4  # the 4 answer tokens before the sync: version 0
+    finally:
+        s.close()
