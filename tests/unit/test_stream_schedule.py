@@ -222,10 +222,10 @@ def test_a_tool_agent_streams_and_a_sync_mid_turn_resumes_it_on_the_new_weights(
         g = next(g for g in s.groups if g.prompt_ids[0] == 5 + 2)
         turn1 = TOK.encode(CALL) + [1]
         answer = TOK.encode(ANSWER) + [1]
-        for resp, mask, lag in zip(g.responses, g.loss_masks, g.token_lag):
-            assert resp == turn1 + INSERTED + answer and mask == [1] * len(turn1) + [0] * len(INSERTED) + [1] * len(
-                answer
-            )
+        inserted = [0] * len(INSERTED)
+        for resp, mask in zip(g.responses, g.loss_masks):
+            assert resp == turn1 + INSERTED + answer  # the engine's tokens, the cut turn continued, not regenerated
+            assert mask == [1] * len(turn1) + inserted + [1] * len(answer)  # the tool's output: never trained
         cut_row = next(row for row in g.token_lag if row[-1] == 0 and row[0] == 1)
         assert cut_row[len(turn1) + len(INSERTED) :][:4] == [1] * 4  # the 4 answer tokens before the sync: version 0
     finally:
