@@ -1,6 +1,6 @@
 """Rollout schedules side by side on the long-tailed chain task (``recipes/chain_cpu.yaml``: responses of 2–7 running
 sums, some past the 24-token limit): ``sync`` vs ``partial`` (``rollout.partial=true``) vs ``one_step_off`` and
-``async`` (``rollout.schedule``, max_staleness 2), rolled out by the HF engine in the trainer's process (``--engine hf``;
+``async`` (``rollout.schedule``, max_staleness 2) and ``stream`` (staleness 0.5, the sync interrupting), rolled out by the HF engine in the trainer's process (``--engine hf``;
 one_step_off/async generate in a producer thread on their own copy of the weights) or by the real SGLang server on
 CPU cores (``--engine sglang``: ``recipes/chain_cpu_sglang.yaml``, one server per run, its own processes).
 
@@ -39,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 OFF = ["rollout.colocate=false"]  # one_step_off/async: the engine on its own weights (refused when colocated)
 SCHEDULES = {"sync": [], "partial": ["rollout.partial=true"], "one_step_off": ["rollout.schedule=one_step_off", *OFF],
-             "async": ["rollout.schedule=async", "rollout.max_staleness=2", *OFF]}  # fmt: skip
+             "async": ["rollout.schedule=async", "rollout.max_staleness=2", *OFF],
+             "stream": ["rollout.schedule=stream", "rollout.stream_staleness=0.5", *OFF]}  # fmt: skip
 # every group kept (a short warm start leaves most groups all wrong): B = 16 of 32 prompts a round, the rest surplus
 # lr 1e-4 decaying to 1e-5 over the run: chain_cpu's 1e-3 collapses RL (ppo_kl ~0.1; seen here: the sync runs fell
 # from 0.20 to 0.00 training accuracy within 18 steps, and the 2026-12-01 bench's held-out accuracy was 0 for every
@@ -82,8 +83,20 @@ def summary(run: Path) -> dict:
         "dropped_stale_groups": steps[-1].get("rollout/dropped_stale_groups_total", 0.0),
         "batch_lag": mean("rollout/batch_lag"),
         "engine_idle_frac": sum(r.get("time/engine_idle_s", 0.0) for r in steps) / sum(r["time/step_s"] for r in steps),
+        "trainer_idle_ratio": mean("rollout/trainer_idle_ratio"), "rollout_idle_ratio": mean("rollout/rollout_idle_ratio"),
+        "partial_ratio": mean("rollout/partial_ratio"), "interrupted": steps[-1].get("rollout/interrupted_samples_total", 0.0),
+        "lag_hist": _lag_histogram(steps),
         "eval": rows[-1].get(EVAL_KEY),
     }  # fmt: skip
+
+
+def _lag_histogram(steps: list[dict]) -> str:
+    """Steps by their batch's largest token lag (versions behind the trainer): "lag:steps" pairs."""
+    counts: dict[int, int] = {}
+    for r in steps:
+        lag = int(r.get("rollout/version_lag_max", 0))
+        counts[lag] = counts.get(lag, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
 
 
 def main() -> None:
@@ -130,8 +143,8 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
     date = datetime.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
     keys = ["trained_samples_per_step_s", "samples_per_rollout_s", "rollout_s_per_step", "step_s", "resumed_per_step", "carried_per_step",
-            "version_lag_mean", "partial_token_frac", "dropped_stale_groups", "batch_lag", "engine_idle_frac", "eval",
-            "steps", "samples"]  # fmt: skip
+            "version_lag_mean", "partial_token_frac", "dropped_stale_groups", "batch_lag", "engine_idle_frac",
+            "trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "interrupted", "eval", "steps", "samples"]  # fmt: skip
     engine = {"hf": "HF engine", "sglang": "the real SGLang server"}[args.engine]
     lines = [f"# Rollout schedules on the chain task ({engine}, CPU) — {date}", "",
              f"{platform.machine()}, {os.cpu_count()} cores (shared: other jobs ran meanwhile), {args.seeds} seed(s), "
@@ -143,6 +156,8 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
             xs = [r[key] for r in runs if r[key] is not None]
             cells.append(f"{statistics.mean(xs):.3f}" if xs else "–")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Steps by their batch's largest token lag behind the trainer (lag:steps), per seed:", ""]
+    lines += [f"- {name}: " + "; ".join(r["lag_hist"] for r in runs) for name, runs in results.items()]
     stem = f"schedule-{date}" + ("-sglang" if args.engine == "sglang" else "")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
