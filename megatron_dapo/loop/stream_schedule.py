@@ -74,7 +74,7 @@ class StreamSchedule:
         generated: list[bool] = []
         dropped_stale = 0
         while not self.sampler.full:
-            need = self.sampler.missing
+            need = min(self.sampler.missing, self.limit)  # a round: the head of the window (it may be smaller than B)
             with self._cond:
                 while self._error is None and not (
                     len(self.window) >= need and all(c.complete for c in self.window[:need])
