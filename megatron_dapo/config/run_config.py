@@ -142,6 +142,9 @@ class RolloutConfig:
     # stream: at most (1 + stream_staleness) x algo.gen_batch_prompts groups admitted and not yet trained: the share
     # of a generation batch that may begin on weights older than those it is trained from (verl's staleness_threshold)
     stream_staleness: float = 0.5
+    # stream: which complete groups a step takes: the complete prefix of the window (prompt order: the head waits for
+    # its longest sample) or any complete group in the order it completed (verl; long groups are trained later, older)
+    stream_order: Literal["prompt", "completion"] = "prompt"
     # steps between weight syncs (1 = every step); the engines generate on older weights meanwhile
     sync_every: int = 1
     # your own rollout, "package.module:function" (loop/rollout_fn.py has the contract; megatron_dapo.rollouts.

@@ -53,6 +53,7 @@ _IGNORED_WHEN = {
     ),
     "rollout.partial": (lambda c: c.rollout.schedule == "stream", "rollout.schedule = 'stream' (always partial)"),
     "rollout.stream_staleness": (lambda c: c.rollout.schedule != "stream", "rollout.schedule = {rollout.schedule!r}"),
+    "rollout.stream_order": (lambda c: c.rollout.schedule != "stream", "rollout.schedule = {rollout.schedule!r}"),
     "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),

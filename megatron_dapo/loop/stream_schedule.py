@@ -16,7 +16,8 @@ sample keeps its tokens, logprobs and the weight version of every token, and aft
 the budget it has left, on the new weights. So the sync never waits for a long generation.
 
 ``next_batch`` judges complete groups at the head of the window in prompt order (dynamic sampling stays exact: a
-group is judged once all G samples finished, whatever their length) until B are kept; the dropped ones are counted,
+group is judged once all G samples finished, whatever their length; ``rollout.stream_order: completion`` judges every
+complete group in the order it completed, as verl, so long groups wait for a later step) until B are kept; the dropped ones are counted,
 and nothing taken from the prompts is lost: the window (in-flight samples with their tokens) is checkpointed. Tokens
 from older weights than the trainer's are tagged (``Group.token_lag``) for the mismatch correction (``algo.tis:
 auto``); a group whose oldest token is more than ``rollout.partial_max_age`` versions behind is dropped, and counted.
@@ -61,6 +62,8 @@ class StreamSchedule:
         self._error: BaseException | None = None
         self._lanes: list[threading.Thread] = []
         self._stops = frozenset()
+        self._completed_at: dict[int, int] = {}  # id(group) -> when it completed (stream_order: completion)
+        self._completions = 0
         # idle accounting between two next_batch returns: the trainer waiting for groups, the lanes all idle
         self._period_start = self._lanes_idle_since = time.monotonic()
         self._lanes_idle_s = self._trainer_wait_s = 0.0
@@ -76,12 +79,14 @@ class StreamSchedule:
         while not self.sampler.full:
             need = min(self.sampler.missing, self.limit)  # a round: the head of the window (it may be smaller than B)
             with self._cond:
-                while self._error is None and not (
-                    len(self.window) >= need and all(c.complete for c in self.window[:need])
-                ):
+                while self._error is None and len(self._ready()) < need:
                     self._cond.wait(timeout=1.0)
                 self._raise()
-                take, self.window = self.window[:need], self.window[need:]
+                take = self._ready()[:need]
+                taken = {id(c) for c in take}
+                self.window = [c for c in self.window if id(c) not in taken]
+                for key in taken:
+                    self._completed_at.pop(key, None)
                 self._refill()
                 self._cond.notify_all()
             fresh, trainer_version = [], step - 1  # step k trains the weights of k - 1 updates
@@ -110,6 +115,18 @@ class StreamSchedule:
         if self.functions is not None:
             stats.update(self.functions.metrics(reset=True))  # rollout/<name>: the function's own numbers
         return seqs, (metrics, stats)
+
+    def _ready(self) -> list[Carried]:
+        """The groups the next round may judge (caller holds the lock): the complete prefix of the window in prompt
+        order, or (``rollout.stream_order: completion``, as verl) every complete group, in the order it completed."""
+        if self.cfg.rollout.stream_order == "completion":
+            return sorted((c for c in self.window if c.complete), key=lambda c: self._completed_at.get(id(c), 0))
+        ready = []
+        for c in self.window:
+            if not c.complete:
+                break
+            ready.append(c)
+        return ready
 
     def before_sync(self) -> None:
         """Every rank: rank 0 pauses its lanes and aborts everything in flight; the samples keep what they have."""
@@ -190,6 +207,7 @@ class StreamSchedule:
                     with self._cond:
                         had = bool(c.slots[j].response_ids)
                         extend_slot(c.slots[j], s, version, self.max_new, self._stops, self.engine.tokenizer)
+                        self._note_completion(c)
                         self.totals["resumed_samples"] += had and bool(s.response_ids)
                         if not c.slots[j].finished:
                             unfinished.append((c, j))
@@ -218,8 +236,14 @@ class StreamSchedule:
             if done is None:
                 return [(c, j)]
             finish_slot(slot, *done, self.max_new)
+            self._note_completion(c)
             self._cond.notify_all()
         return []
+
+    def _note_completion(self, c: Carried) -> None:
+        if c.complete and id(c) not in self._completed_at:
+            self._completions += 1
+            self._completed_at[id(c)] = self._completions
 
     def _interrupt(self) -> None:
         """Rank 0: pause the lanes and abort what is in flight, until no call is running (an abort can race a lane's
@@ -289,4 +313,6 @@ class StreamSchedule:
         own = state.get("stream") or {"window": [], "totals": {}}
         self.window = [Carried(PromptItem(**c["item"]), [Slot(**s) for s in c["slots"]]) for c in own["window"]]
         self.queue = deque((c, j) for c in self.window for j, s in enumerate(c.slots) if not s.finished)
+        for c in self.window:  # complete before the checkpoint: in window order
+            self._note_completion(c)
         self.totals.update(own.get("totals", {}))

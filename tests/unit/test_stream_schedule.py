@@ -230,3 +230,22 @@ def test_a_tool_agent_streams_and_a_sync_mid_turn_resumes_it_on_the_new_weights(
         assert cut_row[len(turn1) + len(INSERTED) :][:4] == [1] * 4  # the 4 answer tokens before the sync: version 0
     finally:
         s.close()
+
+
+def test_completion_order_trains_what_is_done_and_leaves_the_long_group_for_later():
+    """rollout.stream_order=completion: prompt 5 (LONG tokens) is in the first window; in prompt order step 2 would
+    wait for it, in completion order steps take the complete groups and prompt 5 is trained once it is done."""
+    c, engine = cfg("rollout.stream_order=completion", "algo.gen_batch_prompts=8"), SlowEngine()
+    s = schedule(c, engine)
+    try:
+        s.next_batch(1)
+        first = [g.prompt_ids[0] for g in s.groups]
+        t0 = time.monotonic()
+        s.next_batch(2)  # groups 4, 6, 7, 8, ... are done long before prompt 5's 400 tokens
+        second = [g.prompt_ids[0] for g in s.groups]
+        assert time.monotonic() - t0 < 1.0 and 5 not in first + second  # in completion order, whichever finished
+        assert len(set(first + second)) == 8 and set(first + second) <= set(range(12))
+    finally:
+        s.close()
+    with pytest.raises(Exception, match="rollout.stream_order"):
+        load_config("demo_cpu", ["rollout.stream_order=completion"])  # ignored by sync: named
