@@ -171,12 +171,16 @@ class RolloutOutput:
 class GenRequest:
     """One sample to generate with its own input, token budget and seed (partial rollout, ``loop/schedule.py``):
     a fresh sample's input is its prompt; a resumed one's is the prompt + the response it has so far, with the budget
-    it has left. Requests with the same ``route`` go to the same server (a group's samples: one prompt prefill)."""
+    it has left. Requests with the same ``route`` go to the same server (a group's samples: one prompt prefill).
+    ``offset``: the response tokens the sample already has: the HF engine continues the sample's random stream there
+    (a resumed sample on unchanged weights draws exactly the tokens it would have drawn uninterrupted); a server engine
+    draws from a seed derived from (seed, offset), so the continuation never replays the draws of the sample's start."""
 
     input_ids: list[int]
     max_new_tokens: int
     seed: int | None = None
     route: int = 0
+    offset: int = 0
 
 
 def group_samples(samples: list[Sample], n: int) -> list[list[Sample]]:

@@ -283,7 +283,8 @@ class HFEngine(EngineBase):
                 continue
             seeds = [r.seed if r.seed is not None else self._seed(None, 0, 0) for _, r in chunk]
             budgets = [r.max_new_tokens for _, r in chunk]
-            for row, s in self._decode([r.input_ids for _, r in chunk], 1, seeds, sampling, budgets):
+            offsets = [r.offset for _, r in chunk]
+            for row, s in self._decode([r.input_ids for _, r in chunk], 1, seeds, sampling, budgets, offsets):
                 s.prompt_index = chunk[row][0]
                 self._attach_routes([s] if s.response_ids else [])
                 yield s
@@ -295,11 +296,18 @@ class HFEngine(EngineBase):
 
     @torch.no_grad()
     def _decode(
-        self, prompts: list[list[int]], n: int, seeds: list[int], sp: SamplingParams, budgets: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seeds: list[int],
+        sp: SamplingParams,
+        budgets: list[int] | None = None,
+        offsets: list[int] | None = None,
     ) -> Iterator[tuple[int, Sample]]:
         """(row, sample) of ``n`` samples of each prompt (rows grouped by prompt), each as its row finishes. The prompts
         are prefilled once each and their KV cache repeated for the ``n`` rows of the group, so a group pays for its
-        prompt once, not n times. ``budgets``: each row's token budget (default ``sp.max_new_tokens``)."""
+        prompt once, not n times. ``budgets``: each row's token budget (default ``sp.max_new_tokens``); ``offsets``:
+        the draws each row's generator skips first (one per token a resumed sample already has)."""
         from transformers import DynamicCache
 
         dev, B = self.device, len(prompts) * n
@@ -324,6 +332,10 @@ class HFEngine(EngineBase):
             logits, attn = logits.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
         prompts = [p for p in prompts for _ in range(n)]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
+        if not sp.greedy:  # sample_tokens draws one uniform per token and row
+            for g, skip in zip(gens, offsets or ()):
+                for _ in range(skip):
+                    torch.rand((), generator=g, dtype=torch.float64)
         stop = torch.tensor(sorted(set(self.tokenizer.eos_token_ids) | set(sp.stop_token_ids)), dtype=torch.long)
         steps = int(budget.max())
         tokens = torch.zeros((B, steps), dtype=torch.long)

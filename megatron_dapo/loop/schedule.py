@@ -212,7 +212,11 @@ class PartialSchedule(SyncSchedule):
                 budget = remaining_budget(max_new, len(slot.response_ids))
                 requests.append(
                     GenRequest(
-                        list(c.item.prompt_ids) + slot.response_ids, budget, sample_seed(sampling.seed, gi, j), route=gi
+                        list(c.item.prompt_ids) + slot.response_ids,
+                        budget,
+                        sample_seed(sampling.seed, gi, j),
+                        route=gi,
+                        offset=len(slot.response_ids),
                     )
                 )
                 owners.append((gi, j))

@@ -180,9 +180,10 @@ class StreamSchedule:
 
     def _request(self, c: Carried, j: int) -> GenRequest:
         slot = c.slots[j]
-        seed = sample_seed(self.cfg.train.seed * 7919 + slot.resumed, c.item.index, j)
+        seed = sample_seed(self.cfg.train.seed * 7919, c.item.index, j)  # the prompt's place in the data, not timing
         budget = remaining_budget(self.max_new, len(slot.response_ids))
-        return GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget, seed, route=c.item.index)
+        n = len(slot.response_ids)
+        return GenRequest(list(c.item.prompt_ids) + slot.response_ids, budget, seed, route=c.item.index, offset=n)
 
     def _lane(self) -> None:
         sampling = self._sampling

@@ -1,11 +1,16 @@
 """rollout.schedule=stream through the real trainer (megatron-core actor, HF engine generating in its lanes): three
 SIGKILLs at moments picked at random (by samples delivered: in training, generating ahead, a sync or a save), each
-followed by ``--resume auto``. The prompts trained per step equal an uninterrupted run's (with dynamic sampling off,
-each step takes the next B groups in prompt order, whatever the timing): none is lost or trained twice. The samples
-themselves differ (which weights generated them depends on timing), so the metrics are not compared. The age limit
-(``rollout.partial_max_age``) is lifted: which groups grow too old to train depends on timing too (the HF lanes fill the
-6-group window at once and, at the default 2, drop 2 groups every third step), so with it the prompt sequence would
-not be a function of the seed."""
+followed by ``--resume auto``; every step's metrics equal an uninterrupted run's, and no prompt is lost or trained
+twice.
+
+What a streamed sample is depends on timing in one way only: which weights generated each of its tokens. So these
+runs train at lr 1e-30 (Adam's steps fall below fp32's resolution: the weights never move, every version is the same
+policy) and the samples become a function of the seed: a sample keeps its seed (the prompt's place in the data) and a
+resumed one continues its random stream (``GenRequest.offset``), so an interrupted sample ends as if never cut. Then
+everything computed from the trained batch (rewards, lengths, loss, entropy, clip fractions, gradient norm, ...) must
+equal the uninterrupted run's, up to float noise from the lanes' batch shapes; what measures timing (``time/``,
+``mem/``, throughput, the lanes' idle ratios and lag statistics, the count of interrupted samples) is not compared.
+The age limit (``rollout.partial_max_age``) is lifted: which groups grow too old is timing too."""
 
 from __future__ import annotations
 
@@ -28,7 +33,11 @@ STEPS = 12
 STREAM = ["rollout.schedule=stream", "rollout.colocate=false", "rollout.stream_staleness=0.5", "train.batch_prompts=2",
           "train.mini_batch_prompts=2", "algo.gen_batch_prompts=4", "rollout.sampling.max_new_tokens=12",
           "train.supervised_warmup_steps=0", f"train.steps={STEPS}", "train.save_interval=1",
-          "train.keep_checkpoints=2", f"rollout.partial_max_age={STEPS}"]  # fmt: skip
+          "train.keep_checkpoints=2", f"rollout.partial_max_age={STEPS}", "train.lr=1e-30", "train.min_lr=0",
+          "algo.overlong_penalty=true", "algo.overlong_cache=10"]  # fmt: skip
+# measures of timing, not of the batch trained (logp_gap: measured on the tokens sampled on the trainer's version)
+TIMING = ("time/", "mem/", "perf/tokens_per_s", "sync/seconds", "sync/verify_seconds", "rollout/", "train/tis_token_frac",
+          "train/logp_gap_")  # fmt: skip
 
 
 def stream_run(record: Path, kill_at: int, resume: str, *args: str) -> subprocess.Popen:
@@ -37,13 +46,14 @@ def stream_run(record: Path, kill_at: int, resume: str, *args: str) -> subproces
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def trained_by_step(*records: Path) -> dict[int, list]:
-    """Per step, the prompts of the last run that recorded it (a step re-run after a resume replaces the killed one's)."""
+def trained_by_step(*records: Path, what: str = "trained") -> dict[int, list]:
+    """Per step, the prompts (or responses) of the last run that recorded it (a step re-run after a resume replaces
+    the killed one's)."""
     out: dict[int, list] = {}
     for record in records:
         if record.exists():
             for row in map(json.loads, record.read_text().splitlines()):
-                out[row["step"]] = row["trained"]
+                out[row["step"]] = row[what]
     return out
 
 
@@ -73,6 +83,19 @@ def test_three_sigkills_anywhere_lose_no_prompt_and_train_none_twice(tmp_path):
     flat = [tuple(p) for s in sorted(resumed) for p in resumed[s]]
     assert len(set(flat)) == len(flat) == STEPS * 2  # B = 2 groups a step, each prompt once
     assert (tmp_path / "killed" / "checkpoints" / f"step_{STEPS:06d}").is_dir()
-    for run in ("straight", "killed"):  # the premise: no group was dropped for its age
+    # the tokens: an interrupted sample, resumed after a sync or from a checkpoint, ends as the uninterrupted one did
+    assert trained_by_step(*records, what="responses") == trained_by_step(tmp_path / "straight.jsonl", what="responses")
+    metrics = {}
+    for run in ("straight", "killed"):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        assert sum(r.get("rollout/dropped_stale_groups", 0) for r in rows) == 0, run
+        assert sum(r.get("rollout/dropped_stale_groups", 0) for r in rows) == 0, run  # the premises: none dropped,
+        assert rows[-1]["rollout/resumed_samples_total"] > 0, run  # and samples resumed after an interruption
+        metrics[run] = {r["step"]: r for r in rows if "train/loss" in r}  # the last row of a step re-run wins
+    assert sorted(metrics["killed"]) == sorted(metrics["straight"]) == list(range(1, STEPS + 1))
+    for step, want in metrics["straight"].items():
+        got = metrics["killed"][step]
+        keys = sorted(k for k in want if not k.startswith(TIMING))
+        assert keys == sorted(k for k in got if not k.startswith(TIMING)), step
+        assert len(keys) > 30
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6, nan_ok=True), (step, k)

@@ -10,7 +10,7 @@ import torch
 from megatron_dapo.engines.hf import HFEngine, filter_logits
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.models.hf_config import hf_from_arch
-from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo, WeightSyncError
+from megatron_dapo.types import GenRequest, RolloutError, SamplingParams, TokenizerInfo, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,6 +105,25 @@ def test_seeds_are_reproducible_and_batch_independent(engine):
     assert [s.response_ids for s in small.generate(PROMPTS, sp, n=4)] == [s.response_ids for s in a]
     other = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=43), n=4)
     assert [s.response_ids for s in other] != [s.response_ids for s in a]
+
+
+def test_a_resumed_request_draws_what_the_uninterrupted_sample_drew(engine):
+    """GenRequest.offset: a sample cut after k tokens and resumed (prompt + its k tokens, the rest of the budget, the
+    same seed) continues its random stream, so on unchanged weights it ends as if never cut (the streaming schedule's
+    kill test relies on it); without the offset the continuation replays the first draws."""
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, seed=7)
+    whole = [GenRequest(list(p), 12, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    full = {s.prompt_index: s for s in engine.generate_requests(whole, sp)}
+    assert all(len(s.response_ids) == 12 for s in full.values())
+    for cut in (1, 5, 11):
+        rest = [GenRequest(list(p) + full[i].response_ids[:cut], 12 - cut, seed=100 + i, offset=cut)
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+        for s in engine.generate_requests(rest, sp):
+            assert s.response_ids == full[s.prompt_index].response_ids[cut:], (cut, s.prompt_index)
+            torch.testing.assert_close(s.logprobs, full[s.prompt_index].logprobs[cut:], atol=1e-5, rtol=0)
+    replay = [GenRequest(list(p) + full[i].response_ids[:5], 7, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    differ = [s.response_ids != full[s.prompt_index].response_ids[5:] for s in engine.generate_requests(replay, sp)]
+    assert any(differ), "without the offset the continuation should differ: the test would prove nothing"
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(engine):

@@ -405,7 +405,8 @@ class SGLangEngine:
         def submit(i: int) -> None:
             attempts[i] = attempts.get(i, 0) + 1
             rid = f"{tag}-{i}-{attempts[i]}"
-            req = self._request(requests[i].input_ids, sampling, requests[i].seed, rid)
+            r = requests[i]  # a resumed sample: a fresh stream of draws (SGLang cannot skip into one)
+            req = self._request(r.input_ids, sampling, sample_seed(r.seed, r.offset, 1) if r.offset else r.seed, rid)
             req.sampling_params.max_new_tokens = requests[i].max_new_tokens
             url = self._pick_url(routes, requests[i].route, rid, retry=attempts[i] > 1)
             pending[self._pools[url].submit(self._run, (i, 0), req, gen, url)] = i
