@@ -1,6 +1,7 @@
 """``dapo train`` (demo_cpu) with partial rollout that records, per step, the dataset indices of the prompts it trains,
 the carried samples the step must continue (after the stale drop) and the requests sent; with KILL_STEP set it SIGKILLs itself in that step's
-rollout, after its first resumed sample came back (mid-step, carried samples in flight).
+rollout, after its first resumed sample came back (mid-step, carried samples in flight), or as the rollout ends when
+carried complete groups filled the batch without generating (how many the last cut left complete depends on timing).
 
     python -m tests.e2e.partial_run RECORD.jsonl KILL_STEP RESUME key=value ...     (KILL_STEP 0 = never)
 """
@@ -22,6 +23,7 @@ def main(out: str, kill_step: int, resume: str, overrides: list[str]) -> None:
     record = open(out, "a")  # noqa: SIM115 (one line per step, flushed to disk before the step trains)
     step_log: dict = {}
     make_group, next_batch, generate, drop = sched._group, sched.next_batch, engine.generate_requests, sched._drop_stale
+    collect = sched.collect_groups
 
     def group(c):
         g = make_group(c)
@@ -42,6 +44,12 @@ def main(out: str, kill_step: int, resume: str, overrides: list[str]) -> None:
                                for s in c.slots if s.response_ids and not s.finished}  # fmt: skip
         return dropped
 
+    def collect_groups(step):
+        out = collect(step)
+        if step_log["step"] == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # nothing was generated: killed before the step trains
+        return out
+
     def batch(step):
         step_log.update(step=step, requests=[], partial=set())
         seqs, extra = next_batch(step)
@@ -53,6 +61,7 @@ def main(out: str, kill_step: int, resume: str, overrides: list[str]) -> None:
         return seqs, extra
 
     sched._group, sched.next_batch, engine.generate_requests, sched._drop_stale = group, batch, requests, drop_stale
+    sched.collect_groups = collect_groups
     trainer.run()
 
 
