@@ -85,7 +85,7 @@ def summary(run: Path) -> dict:
         "engine_idle_frac": sum(r.get("time/engine_idle_s", 0.0) for r in steps) / sum(r["time/step_s"] for r in steps),
         "trainer_idle_ratio": mean("rollout/trainer_idle_ratio"), "rollout_idle_ratio": mean("rollout/rollout_idle_ratio"),
         "partial_ratio": mean("rollout/partial_ratio"), "interrupted": steps[-1].get("rollout/interrupted_samples_total", 0.0),
-        "lag_hist": _lag_histogram(steps),
+        "tis_masked_frac": mean("train/tis_masked_frac"), "lag_hist": _lag_histogram(steps),
         "eval": rows[-1].get(EVAL_KEY),
     }  # fmt: skip
 
@@ -115,8 +115,19 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--work", default=None)
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"a subset of {','.join(SCHEDULES)}")
+    ap.add_argument("--corrections", default="", help="each schedule once per mismatch correction (algo/corrections.py "
+                    "names, 'off' for none): rows 'schedule/correction', every token weighed (algo.tis=on)")  # fmt: skip
+    ap.add_argument(
+        "--old-logprobs",
+        choices=["recompute", "rollout"],
+        default="recompute",
+        help="algo.old_logprobs: 'rollout' drops the π_old forward, the correction then compares with it",
+    )
     args = ap.parse_args()
-    chosen = {name: SCHEDULES[name] for name in args.schedules.split(",")}
+    chosen = {name: [*SCHEDULES[name], f"algo.old_logprobs={args.old_logprobs}"] for name in args.schedules.split(",")}
+    if args.corrections:
+        chosen = {f"{name}/{c}": [*over, *(["algo.tis=off"] if c == "off" else ["algo.tis=on", f"algo.correction={c}"])]
+                  for name, over in chosen.items() for c in args.corrections.split(",")}  # fmt: skip
     work = Path(args.work or tempfile.mkdtemp(prefix="dapo_schedule_"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -129,7 +140,7 @@ def main() -> None:
     for k in range(args.seeds):
         seed = 1234 + 17 * k
         for name, overrides in chosen.items():  # the schedules alternate, so all see the machine's load alike
-            run = f"{name}-{seed}"
+            run = f"{name.replace('/', '-')}-{seed}"
             dapo([f"train.seed={seed}", f"model.load={ckpt}", "train.supervised_warmup_steps=0", "train.steps=100000",
                   f"train.sample_budget={args.sample_budget}", f"train.time_budget_s={args.minutes * 60:g}",
                   *overrides, f"train.run_dir={work}", f"train.name={run}"], work / f"{run}.log",
@@ -144,9 +155,11 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
     out.mkdir(parents=True, exist_ok=True)
     keys = ["trained_samples_per_step_s", "samples_per_rollout_s", "rollout_s_per_step", "step_s", "resumed_per_step", "carried_per_step",
             "version_lag_mean", "partial_token_frac", "dropped_stale_groups", "batch_lag", "engine_idle_frac",
-            "trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "interrupted", "eval", "steps", "samples"]  # fmt: skip
+            "trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "interrupted", "tis_masked_frac", "eval", "steps",
+            "samples"]  # fmt: skip
     engine = {"hf": "HF engine", "sglang": "the real SGLang server"}[args.engine]
-    lines = [f"# Rollout schedules on the chain task ({engine}, CPU) — {date}", "",
+    lines = [f"# Rollout schedules on the chain task ({engine}, CPU) — {date}", "", f"algo.old_logprobs={args.old_logprobs}",
+             "",
              f"{platform.machine()}, {os.cpu_count()} cores (shared: other jobs ran meanwhile), {args.seeds} seed(s), "
              f"budget {args.sample_budget} samples or {args.minutes} min per run; {seconds:.0f} s in all.", "",
              "| schedule | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]  # fmt: skip
@@ -158,7 +171,11 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Steps by their batch's largest token lag behind the trainer (lag:steps), per seed:", ""]
     lines += [f"- {name}: " + "; ".join(r["lag_hist"] for r in runs) for name, runs in results.items()]
-    stem = f"schedule-{date}" + ("-sglang" if args.engine == "sglang" else "")
+    stem = (
+        f"schedule-{date}"
+        + ("-sglang" if args.engine == "sglang" else "")
+        + ("-corrections" if args.corrections else "")
+    )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     print("\n".join(lines))

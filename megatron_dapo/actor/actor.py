@@ -19,19 +19,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor import checkpoint as ckpt
-from megatron_dapo.actor import routes
+from megatron_dapo.actor import routes, shares
 from megatron_dapo.actor.dist import init_distributed, seed_everything
 from megatron_dapo.actor.gather import all_gather_small, dp_rank_members, route
 from megatron_dapo.actor.logprobs import token_logprobs
 from megatron_dapo.actor.micro_batches import micro_batch_budget, per_position_arrays
 from megatron_dapo.actor.provider import DTYPES, build_model, describe_spec, model_position_ids, use_transformer_engine
-from megatron_dapo.actor.step_metrics import step_metrics
+from megatron_dapo.actor.step_metrics import StepTally, step_metrics
 from megatron_dapo.actor.thd_cp import get_thd_batch_on_this_cp_rank
 from megatron_dapo.algo.corrections import check_correction
 from megatron_dapo.algo.loss import loss_denominator, policy_loss, sft_loss
 from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.data.geometry import micro_batch_geometry
-from megatron_dapo.data.packing import balance_across_dp, pack_sequences, split_mini_batches
+from megatron_dapo.data.packing import balance_across_dp, pack_sequences
 from megatron_dapo.data.shared_prompt import plan_rows, prompt_groups, shared_prompt_batch
 from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size, routing_replay_enabled
 from megatron_dapo.types import Sequence
@@ -388,135 +388,136 @@ class MegatronActor:
         ``train.recompute_old_logprobs``): there π_old IS the current policy, so its training forward's detached
         logprobs are π_old exactly (ratio 1, as verl and TRL do) and no separate pass is needed. Afterwards every
         sequence holds the ``old_logprobs`` (and, where computed here, the ``entropy``) the step used."""
-        a = self.cfg.algo
         minis, first_from_forward, missing_idx = self.step_plan(seqs)
-        if self.replay:
-            routes.check_routes(seqs, self.cfg)
-        t0 = time.perf_counter()
+        tally = StepTally(time.perf_counter())
         missing = [seqs[i] for i in missing_idx]
         if missing:  # to rank 0 (metrics) and the DP rank that trains on each sequence, not to every rank
-            owner = self._train_owners(seqs, minis, first_from_forward)
+            owner = shares.train_owners(self, seqs, minis, first_from_forward)
             for s, lp, ent in zip(missing, *self.compute_logprobs(missing, True, [owner[i] for i in missing_idx])):
                 if lp is not None:
                     s.old_logprobs, s.entropy = lp, ent
-        old_seconds = time.perf_counter() - t0
+        tally.old_seconds, tally.old_pass_seqs = time.perf_counter() - tally.started, len(missing)
         for s in seqs[minis[0].start : minis[0].stop] if not first_from_forward else []:
             if s.old_logprobs is not None and s.old_logprobs.numel() != s.response_len:  # None: not this rank's
                 raise ValueError(
                     f"train_step: old_logprobs has {s.old_logprobs.numel()} entries, the response "
                     f"{s.response_len} tokens"
                 )
+        for k, rng in enumerate(minis):
+            self.update_mini_batch([seqs[i] for i in rng], tally, from_forward=first_from_forward and k == 0)
+        return self.finish_step(tally)
+
+    def train_streamed(self, next_mini, count: int) -> StepTally:
+        """``train.stream_updates``: a step's ``count`` mini-batch updates, each started as soon as ``next_mini(k)``
+        (every rank) returns its sequences, not when the whole batch is collected; ``finish_step`` then ends the step.
+        π_old is the rollout's (``algo.old_logprobs: rollout``): no pass over the whole batch before the first
+        update. Each mini-batch's loss and token denominator are its own, as in ``train_step``."""
+        if self.cfg.algo.old_logprobs != "rollout":
+            raise ValueError("train.stream_updates needs algo.old_logprobs = 'rollout' (no π_old pass over the batch)")
+        tally = StepTally(time.perf_counter(), streamed=True)
+        for k in range(count):
+            mini = next_mini(k)
+            t0 = time.perf_counter()
+            self.update_mini_batch(mini, tally, from_forward=k == 0)
+            tally.update_seconds += time.perf_counter() - t0
+        return tally
+
+    def update_mini_batch(self, mini: list[Sequence], tally: StepTally, from_forward: bool) -> None:
+        """One optimizer update on ``mini`` (a DP rank's share whole, the rest as stubs); ``from_forward``: π_old is
+        the current policy, taken from this forward (the step's first update)."""
+        a = self.cfg.algo
+        if self.replay:
+            routes.check_routes(mini, self.cfg)
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
-        if tis_cap and any(s.rollout_logprobs is None for s in seqs):
+        if tis_cap and any(s.rollout_logprobs is None for s in mini):
             raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
         rollout_old = a.old_logprobs == "rollout"
-        if rollout_old and any(s.rollout_logprobs is None for s in seqs):
+        if rollout_old and any(s.rollout_logprobs is None for s in mini):
             raise ValueError("algo.old_logprobs = 'rollout' but a sequence has no rollout_logprobs (the engine's)")
-        replay_metrics = routes.routing_probe(self, [seqs[i] for i in minis[0]]) if self.routed else {}
+        if tally.updates == 0:
+            tally.replay_metrics = routes.routing_probe(self, mini) if self.routed else {}
         for m in self.model:
             m.train()
-        parts, losses, grad_norms, tokens, trained_micro_batches = [], [], [], 0, 0
-        covered = [0, 0]  # response-predicting positions with a route, all of them
-        for k, rng in enumerate(minis):
-            mini = [seqs[i] for i in rng]
-            from_forward = first_from_forward and k == 0
-            all_mask = torch.cat(
-                [s.loss_mask.float() if s.loss_mask is not None else torch.ones(s.response_len) for s in mini]
+        all_mask = torch.cat(
+            [s.loss_mask.float() if s.loss_mask is not None else torch.ones(s.response_len) for s in mini]
+        )
+        ids = torch.cat([torch.full((s.response_len,), j) for j, s in enumerate(mini)])
+        denominator = loss_denominator(all_mask[None], a.loss_agg, seq_ids=ids[None]).item()
+        mbs = self._micro_batches(mini)
+        scale = len(mbs) * self.dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/DP averaging
+        for mb in mbs if self.replay and self.tp_rank == 0 else []:
+            tally.covered[0] += int(mb["sel_routed"].sum()) if "sel_routed" in mb else 0
+            tally.covered[1] += int(mb["sel_index"].numel())
+
+        def loss_fn(mb, model, hidden):
+            lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=from_forward)
+            old = lp.detach() if from_forward else mb["sel_old_logprobs"]
+            if rollout_old:  # the PPO ratio against the rollout; the correction compares the policy with it
+                old = mb["sel_rollout_logprobs"]
+            loss, metrics = policy_loss(
+                lp[None],
+                old[None],
+                mb["sel_advantages"][None],
+                mb["sel_loss_mask"][None],
+                eps_low=a.eps_low,
+                eps_high=a.eps_high,
+                clip_c=a.clip_c,
+                agg=a.loss_agg,
+                denominator=denominator,
+                seq_ids=mb["sel_seq_id"][None],
+                rollout_logprobs=mb["sel_rollout_logprobs"][None] if tis_cap else None,
+                tis_cap=tis_cap,
+                tis_mask=mb["sel_tis_mask"][None] if tis_cap and not self.cfg.tis_enabled else None,
+                correction=a.correction,
+                correction_bounds=tuple(a.correction_bounds),
+                correction_reference=lp.detach()[None] if rollout_old and tis_cap else None,
             )
-            ids = torch.cat([torch.full((s.response_len,), j) for j, s in enumerate(mini)])
-            denominator = loss_denominator(all_mask[None], a.loss_agg, seq_ids=ids[None]).item()
-            mbs = self._micro_batches(mini)
-            scale = len(mbs) * self.dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/DP averaging
-            for mb in mbs if self.replay and self.tp_rank == 0 else []:
-                covered[0] += int(mb["sel_routed"].sum()) if "sel_routed" in mb else 0
-                covered[1] += int(mb["sel_index"].numel())
+            out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+            if from_forward:
+                out.update(logprobs=lp.detach(), entropy=ent, mb=mb)
+            return loss * scale, out
 
-            def loss_fn(mb, model, hidden, denominator=denominator, scale=scale, from_forward=from_forward):
-                lp, ent = self._token_logprobs(mb, model, hidden, with_entropy=from_forward)
-                old = lp.detach() if from_forward else mb["sel_old_logprobs"]
-                if rollout_old:  # the PPO ratio against the rollout; the correction compares the policy with it
-                    old = mb["sel_rollout_logprobs"]
-                loss, metrics = policy_loss(
-                    lp[None],
-                    old[None],
-                    mb["sel_advantages"][None],
-                    mb["sel_loss_mask"][None],
-                    eps_low=a.eps_low,
-                    eps_high=a.eps_high,
-                    clip_c=a.clip_c,
-                    agg=a.loss_agg,
-                    denominator=denominator,
-                    seq_ids=mb["sel_seq_id"][None],
-                    rollout_logprobs=mb["sel_rollout_logprobs"][None] if tis_cap else None,
-                    tis_cap=tis_cap,
-                    tis_mask=mb["sel_tis_mask"][None] if tis_cap and not self.cfg.tis_enabled else None,
-                    correction=a.correction,
-                    correction_bounds=tuple(a.correction_bounds),
-                    correction_reference=lp.detach()[None] if rollout_old and tis_cap else None,
-                )
-                out = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
-                if from_forward:
-                    out.update(logprobs=lp.detach(), entropy=ent, mb=mb)
-                return loss * scale, out
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run(mbs, loss_fn, forward_only=False)
+        if from_forward:  # π_old of a trained mini-batch: for rank 0's metrics only
+            for s, lp, ent in zip(mini, *self._per_sequence(results, mini, [-1] * len(mini))):
+                if lp is not None:
+                    s.old_logprobs, s.entropy = lp, ent
+        tally.grad_norms.append(self._optimizer_update())
+        if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
+            tally.parts += [{k: v for k, v in r.items() if k not in ("logprobs", "entropy", "mb")} for r in results]
+            tally.losses.append(sum(float(r["loss"]) for r in results))
+        tally.tokens += sum(mb["num_tokens"] for mb in mbs)
+        tally.micro_batches += len(mbs)
+        tally.updates += 1
 
-            for m in self.model:
-                m.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            results = self._run(mbs, loss_fn, forward_only=False)
-            if from_forward:  # π_old of a trained mini-batch: for rank 0's metrics only
-                for s, lp, ent in zip(mini, *self._per_sequence(results, mini, [-1] * len(mini))):
-                    if lp is not None:
-                        s.old_logprobs, s.entropy = lp, ent
-            grad_norm = self._optimizer_update()
-            grad_norms.append(grad_norm)
-            if self.last_stage and self.tp_rank == 0:  # TP ranks hold identical copies of the loss
-                parts += [{k: v for k, v in r.items() if k not in ("logprobs", "entropy", "mb")} for r in results]
-                losses.append(sum(float(r["loss"]) for r in results))
-            tokens += sum(mb["num_tokens"] for mb in mbs)
-            trained_micro_batches += len(mbs)
+    def finish_step(self, tally: StepTally) -> dict[str, float]:
+        """After a step's updates: the LR schedule advances, and the step's metrics, the same on every rank."""
         self.scheduler.step(increment=1)
         self.step += 1
-        metrics = step_metrics(self, parts, losses, grad_norms, tokens, time.perf_counter() - t0)
-        metrics["time/old_logprobs_s"] = old_seconds
+        seconds = tally.update_seconds if tally.streamed else time.perf_counter() - tally.started  # streamed: no waits
+        metrics = step_metrics(self, tally.parts, tally.losses, tally.grad_norms, tally.tokens, seconds)
+        metrics["time/old_logprobs_s"] = tally.old_seconds
+        if tally.streamed:  # the updates' own time (time/rollout_s holds it too: they ran while groups came in)
+            metrics["time/update_s"] = tally.update_seconds
+        replay_metrics = tally.replay_metrics
         if self.replay:
-            got = all_gather_small(covered if self.pp_rank == 0 else [0, 0], self.gloo)
+            got = all_gather_small(tally.covered if self.pp_rank == 0 else [0, 0], self.gloo)
             replay_metrics["routing/coverage"] = sum(g[0] for g in got) / max(1, sum(g[1] for g in got))
         elif self.routed:
             routes.warn_low_agreement(replay_metrics)
         metrics.update(replay_metrics)
-        metrics["train/old_logprob_pass_seqs"] = float(len(missing))
+        metrics["train/old_logprob_pass_seqs"] = float(tally.old_pass_seqs)
         if self.arch.is_moe and self.cfg.model.moe_aux_loss_coeff:
-            metrics.update(routes.moe_aux_losses(self.arch, trained_micro_batches))
+            metrics.update(routes.moe_aux_losses(self.arch, tally.micro_batches))
         return metrics
 
     def step_plan(self, seqs: list[Sequence]) -> tuple[list[range], bool, list[int]]:
         """(the mini-batches, whether the first takes π_old from its training forward, the indices of the sequences
-        whose π_old a separate pass computes first): what ``train_step`` runs, also read by ``actor/shares.py``."""
-        minis = split_mini_batches(len(seqs), self.cfg.num_updates)
-        if self.cfg.algo.old_logprobs == "rollout":  # π_old is the rollout's: no pass; the first forward's for metrics
-            return minis, True, []
-        first_from_forward = not self.cfg.train.recompute_old_logprobs and all(
-            seqs[i].old_logprobs is None for i in minis[0]
-        )
-        missing = [
-            i
-            for k, rng in enumerate(minis)
-            for i in rng
-            if seqs[i].old_logprobs is None and not (first_from_forward and k == 0)
-        ]
-        return minis, first_from_forward, missing
-
-    def _train_owners(self, seqs: list[Sequence], minis: list[range], first_from_forward: bool) -> list[int]:
-        """Per sequence, the DP rank whose micro-batches train on it in this step (-1: the first mini-batch when it
-        takes π_old from its own forward)."""
-        owner = [-1] * len(seqs)
-        for k, rng in enumerate(minis):
-            if not (first_from_forward and k == 0):
-                rows, per_rank = self.plan_micro_batches([seqs[i] for i in rng])
-                for d, mbs in enumerate(per_rank):
-                    for j in (j for mb in mbs for r in mb for j in rows[r]):
-                        owner[rng[j]] = d
-        return owner
+        whose π_old a separate pass computes first): ``actor/shares.py`` ``step_plan``."""
+        return shares.step_plan(self, seqs)
 
     def supervised_step(self, seqs: list[Sequence], lr: float) -> dict[str, float]:
         """One supervised (NLL) update on the response tokens at learning rate ``lr`` (warm start); the RL LR schedule

@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from megatron_dapo.actor.gather import all_gather_small
 from megatron_dapo.algo.loss import LOSS_METRIC_REDUCTIONS, combine_loss_metrics
+
+
+@dataclass
+class StepTally:
+    """What a step's updates add up on this rank (``MegatronActor.update_mini_batch``), read by ``finish_step``."""
+
+    started: float  # perf_counter at the step's start
+    streamed: bool = False  # train.stream_updates: the updates waited for their groups in between
+    update_seconds: float = 0.0  # streamed: the updates' own time
+    old_seconds: float = 0.0  # the π_old pass
+    old_pass_seqs: int = 0
+    updates: int = 0
+    micro_batches: int = 0
+    tokens: int = 0
+    parts: list = field(default_factory=list)  # per-micro-batch loss metrics (last stage, TP rank 0)
+    losses: list = field(default_factory=list)  # per-update loss sums
+    grad_norms: list = field(default_factory=list)
+    covered: list = field(default_factory=lambda: [0, 0])  # routing replay: positions with a route, all of them
+    replay_metrics: dict = field(default_factory=dict)
 
 
 def step_metrics(actor, parts, losses, grad_norms, tokens, seconds) -> dict[str, float]:

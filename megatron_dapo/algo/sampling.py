@@ -114,8 +114,9 @@ class DynamicSampler:
         return self.max_gen_batches > 0
 
     # -- collecting ------------------------------------------------------------------------------------------------
-    def add(self, groups: Sequence[Any], correct: torch.Tensor | None) -> int:
-        """Add one generation batch: ``groups`` (opaque, one per prompt) and ``correct`` bool [len(groups), G].
+    def add(self, groups: Sequence[Any], correct: torch.Tensor | None, batches: int = 1) -> int:
+        """Add one generation batch: ``groups`` (opaque, one per prompt) and ``correct`` bool [len(groups), G]
+        (``batches``: how many generation batches this adds to the bound's count; 0 for part of one).
 
         Keeps the groups with mixed correctness (all of them when disabled), in order; returns how many were kept.
         Raises :class:`DynamicSamplingError` when, after this batch, fewer than B groups are kept and the bound
@@ -147,7 +148,7 @@ class DynamicSampler:
                 keep = [True] * len(groups)
         kept = [g for g, k in zip(groups, keep) if k]
         self._buffer.extend(kept)
-        self._bump("num_gen_batches", 1)
+        self._bump("num_gen_batches", batches)
         self._bump("kept", len(kept))
         if not self.full and self.bounded and self.num_gen_batches >= self.max_gen_batches:
             raise DynamicSamplingError(self._exhausted_message())
@@ -165,6 +166,10 @@ class DynamicSampler:
             f"raise algo.max_gen_batches (currently {self.max_gen_batches}; <= 0 = unbounded) "
             f"or algo.gen_batch_prompts (prompts per generation batch)"
         )
+
+    def kept_groups(self) -> list[Any]:
+        """The groups kept so far this step, in order, at most B (they stay: ``take`` still returns them)."""
+        return [] if self._taken else self._buffer[: self.batch_groups]
 
     def take(self) -> list[Any]:
         """Exactly B groups, in generation order; the surplus is dropped (counted in ``surplus``); ends the step."""

@@ -198,6 +198,15 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.stream_staleness", r.stream_staleness, "must be >= 0 (a share of algo.gen_batch_prompts)")
     if r.sync_every < 1:
         fail("rollout.sync_every", r.sync_every, "must be >= 1 (steps between weight syncs)")
+    if cfg.train.stream_updates and r.schedule != "stream":
+        fail("train.stream_updates", True, f"needs rollout.schedule = 'stream' (it is {r.schedule!r})")
+    if cfg.train.stream_updates and cfg.algo.old_logprobs != "rollout":
+        fail(
+            "train.stream_updates",
+            True,
+            "needs algo.old_logprobs = 'rollout': a later mini-batch's π_old would be the policy before the step's "
+            "first update, which a pass over the whole batch gives only once the whole batch is collected",
+        )
     if r.sync_every > 1 and r.schedule != "stream":
         fail("rollout.sync_every", r.sync_every, "syncs less often than every step only with rollout.schedule=stream")
     if r.sync_every > 1 and cfg.eval.interval % r.sync_every:

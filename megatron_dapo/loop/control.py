@@ -93,10 +93,11 @@ def _dp_groups(actor: MegatronActor) -> tuple[list[int], list]:
     return _DP["ranks"], _DP["groups"]
 
 
-def scatter_batch(fn, actor: MegatronActor):
+def scatter_batch(fn, actor: MegatronActor, one_update: bool = False):
     """``fn()`` on rank 0 -> (sequences, small extra). Every rank gets (the sequences as its DP rank needs them: its
     share whole, the others as stubs, ``actor/shares.py``; extra). One broadcast per DP rank over a gloo group of rank
-    0 and that DP rank's ranks, not the whole batch to every rank. An error on rank 0 reaches every rank (DriverError)."""
+    0 and that DP rank's ranks, not the whole batch to every rank. An error on rank 0 reaches every rank (DriverError).
+    ``one_update``: the sequences are one mini-batch update's (train.stream_updates), not a whole step's."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
     from megatron_dapo.actor.shares import dp_shares, share_for
@@ -106,7 +107,7 @@ def scatter_batch(fn, actor: MegatronActor):
 
     def prepare():
         seqs, extra = fn()
-        made.update(seqs=seqs, shares=dp_shares(actor, seqs))
+        made.update(seqs=seqs, shares=dp_shares(actor, seqs, one_update))
         return extra
 
     extra = on_driver(prepare)  # the small extra everywhere; rank 0's error on every rank

@@ -71,13 +71,35 @@ class StreamSchedule:
     # -- the loop's calls -------------------------------------------------------------------------------------------
     def next_batch(self, step: int) -> tuple[list, tuple[dict, dict]]:
         """Rank 0: B groups judged in prompt order (dynamic sampling), as training sequences."""
+        for _ in self._rounds(step):
+            pass
+        return self._batch()
+
+    def mini_batches(self, step: int, size: int):
+        """Rank 0, ``train.stream_updates``: the step's kept groups as training sequences, ``size`` groups at a time,
+        each yielded as soon as its groups are kept (they are the batch's first, second, ... ``size`` groups, as
+        ``next_batch`` cuts them); afterwards ``last_batch`` holds what ``next_batch`` would have returned."""
+        done = 0
+        for _ in self._rounds(step, size):
+            kept = self.sampler.kept_groups()
+            while len(kept) >= done + size:
+                yield to_sequences(kept[done : done + size], self.cfg)[0]
+                done += size
+        self.last_batch = self._batch()
+
+    def _rounds(self, step: int, mini: int = 0):
+        """Rank 0: judge complete groups at the head of the window, a round at a time, until B are kept (``mini``:
+        a round waits only for the groups the next mini-batch lacks; algo.max_gen_batches still counts whole rounds'
+        worth of groups judged)."""
         self.engine.new_step()
         t0 = time.monotonic()
         self._start()
-        generated: list[bool] = []
-        dropped_stale = 0
+        self._generated, self._dropped_stale = [], 0
+        per_round, judged = min(self.sampler.missing, self.limit), 0  # a whole round's groups (algo.max_gen_batches)
         while not self.sampler.full:
             need = min(self.sampler.missing, self.limit)  # a round: the head of the window (it may be smaller than B)
+            if mini:
+                need = min(need, mini - len(self.sampler.kept_groups()) % mini)
             with self._cond:
                 while self._error is None and len(self._ready()) < need:
                     self._cond.wait(timeout=1.0)
@@ -93,21 +115,28 @@ class StreamSchedule:
             for c in take:
                 oldest = c.oldest_version()
                 if oldest is not None and trainer_version - oldest > self.cfg.rollout.partial_max_age:
-                    dropped_stale += 1
+                    self._dropped_stale += 1
                 else:
                     fresh.append(c)
             groups = [carried_group(c, self.scorer, trainer_version) for c in fresh]
             for g in groups:
-                generated += g.correct
+                self._generated += g.correct
             correct = torch.tensor([g.correct for g in groups], dtype=torch.bool).reshape(len(groups), self.G)
-            self.sampler.add(groups, correct)
+            rounds = (judged + len(take)) // per_round - judged // per_round if mini else 1  # mini: parts of one
+            judged += len(take)
+            self.sampler.add(groups, correct, rounds)
+            self._trainer_wait_s += time.monotonic() - t0
+            yield
+            t0 = time.monotonic()  # streamed updates ran meanwhile: not waiting
+
+    def _batch(self) -> tuple[list, tuple[dict, dict]]:
         now = time.monotonic()
-        self._trainer_wait_s += now - t0
         self.groups = self.sampler.take()
         seqs, metrics = to_sequences(self.groups, self.cfg)
-        metrics.update(self._metrics(now, dropped_stale))
+        metrics.update(self._metrics(now, self._dropped_stale))
         stats = self.sampler.stats()
         stats["kept_groups"] = stats.pop("kept")
+        generated = self._generated
         stats["acc_generated"] = sum(generated) / max(1, len(generated))
         stats["samples_generated"] = len(generated)
         stats["server_restarts"] = self.engine.step_restarts

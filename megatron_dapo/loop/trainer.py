@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ from megatron_dapo.loop.phases import make_phases
 from megatron_dapo.loop.rollout import RolloutDriver
 from megatron_dapo.loop.rollout_fn import make_rollouts
 from megatron_dapo.loop.schedule import make_schedule
+from megatron_dapo.loop.updates import make_updates
 from megatron_dapo.metrics import MetricsLogger, Timer, memory_metrics
 from megatron_dapo.models.arch import load_arch
 from megatron_dapo.reward.registry import RewardScorer
@@ -110,6 +110,7 @@ class Trainer:
         self.phases = make_phases(cfg, self.rollout.engine, self.actor)  # colocated: who holds the GPU's memory
         # when samples are generated, on which weights (rollout.schedule): asked for each batch, told each version
         self.schedule = make_schedule(cfg, self.rollout.engine, self.prompts, self.sampler, self.scorer, self.tokenizer)
+        self.updates = make_updates(cfg, self.schedule, self.actor)  # the batch whole, then trained; or streamed
         # the held-out eval samples as training does (a rollout function's own numbers counted apart)
         self.eval_rollouts = make_rollouts(cfg, self.rollout.engine, self.tokenizer) if is_driver() else None
         if self._resume_extra:
@@ -141,7 +142,7 @@ class Trainer:
             times: dict[str, float] = {}
             with Timer("step", times):
                 with Timer("rollout", times):  # rank 0 generates; each DP rank is sent its share of the batch
-                    seqs, (metrics, sampling_stats) = scatter_batch(partial(self.schedule.next_batch, step), self.actor)
+                    seqs, (metrics, sampling_stats) = self.updates.collect(step)  # streamed: updates as groups come
                 self.samples_generated += sampling_stats["samples_generated"]
                 self.rl_seconds = self.rl_seconds_before + float(broadcast(time.monotonic() - started))
                 final = step == cfg.train.steps or self._budget_spent()
@@ -149,7 +150,7 @@ class Trainer:
                 self.actor.scheduler.set_spent(self.samples_generated, self.rl_seconds)
                 self.phases.to_train()  # colocated: engines release their memory, the trainer's state comes back
                 with Timer("train", times):  # π_old logprobs (where a pass is needed) + the mini-batch updates
-                    metrics.update(self.actor.train_step(seqs))
+                    metrics.update(self.updates.train(seqs))
                 if is_driver():  # the whole batch's groups: rank 0's; every rank checks rank 0's numbers
                     olds, unmeasured_ok = [s.old_logprobs for s in seqs], cfg.algo.old_logprobs == "rollout"
                     metrics.update(logprob_gap_stats(self.schedule.groups, olds, unmeasured_ok))

@@ -32,10 +32,12 @@ def test_one_step_off_with_partial_rollout_on_the_real_server(tmp_path):
 
 def test_the_streaming_schedule_interrupts_the_real_server_at_each_sync(tmp_path):
     """rollout.schedule=stream: the lanes keep the server busy across steps, the sync aborts what is in flight (the
-    samples resume on the new weights), every sync is verified, and the verl-style metrics are logged."""
+    samples resume on the new weights), every sync is verified, and the verl-style metrics are logged. With streaming
+    training: π_old from the server, each of the 4 mini-batch updates started as its 2 groups are kept."""
     dapo("train", "--recipe", "demo_cpu_sglang", *BASE, "train.steps=3", "rollout.schedule=stream",
          "rollout.stream_staleness=0.5", "algo.gen_batch_prompts=12", f"train.run_dir={tmp_path}",
-         "train.name=stream")  # fmt: skip
+         "train.name=stream", "algo.old_logprobs=rollout", "train.stream_updates=true",
+         "train.mini_batch_prompts=2")  # fmt: skip
     run = tmp_path / "stream"
     rows = {r["step"]: r for r in metrics(run)}
     assert sorted(rows) == [1, 2, 3]
@@ -43,6 +45,7 @@ def test_the_streaming_schedule_interrupts_the_real_server_at_each_sync(tmp_path
     for s in (2, 3):
         assert rows[s]["train/kept_groups"] == 8 and rows[s]["sync/tensors"] == 26
         assert rows[s]["rollout/stale_samples"] > 0 and rows[s]["train/tis_token_frac"] > 0  # generated ahead
+        assert rows[s]["time/update_s"] > 0 and rows[s]["train/old_logprob_pass_seqs"] == 0  # streamed, no π_old pass
     for key in ("trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "max_partial_span", "window_groups"):
         assert all(f"rollout/{key}" in rows[s] for s in rows), key
     assert "rollout/interrupted_samples_total" in rows[3] and rows[3]["rollout/window_groups"] == 18

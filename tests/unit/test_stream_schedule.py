@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megatron_dapo.algo.sampling import DynamicSampler
 from megatron_dapo.config.run_config import load_config
@@ -171,6 +172,38 @@ def test_a_checkpoint_keeps_the_window_so_no_prompt_is_lost_or_trained_twice():
         make_schedule(sync, SlowEngine(), Prompts(), DynamicSampler(4, 0, enabled=False), AllRight()).load_state_dict(
             state
         )
+
+
+def test_mini_batches_come_as_their_groups_are_kept_and_make_the_batch_next_batch_makes():
+    """train.stream_updates: step 2's batch is prompts 4..7 and prompt 5 takes 2 s; with one group per mini-batch
+    the first (prompt 4) comes while prompt 5 still generates, and the mini-batches joined are the batch a twin
+    schedule's ``next_batch`` cuts: the same groups in order, the same tokens, advantages and masks."""
+    from megatron_dapo.algo.batch import to_sequences
+
+    c = cfg("train.mini_batch_prompts=1", "algo.old_logprobs=rollout", "train.stream_updates=true")
+    streamed, whole = schedule(c, SlowEngine()), schedule(c, SlowEngine())
+    try:
+        for step in (1, 2):
+            minis, pending = [], []
+            for seqs in streamed.mini_batches(step, 1):
+                minis.append(seqs)
+                pending.append(sum(not x.complete for x in streamed.window if x.item.index == 5))
+            seqs, (metrics, stats) = whole.next_batch(step)
+            assert [g.prompt_ids for g in streamed.groups] == [g.prompt_ids for g in whole.groups]
+            joined, batch = [x for m in minis for x in m], streamed.last_batch[0]
+            assert len(minis) == 4 and len(joined) == len(seqs) == len(batch) == 8
+            for a, b, d in zip(joined, seqs, batch):
+                assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tokens, d.tokens)
+                assert a.advantage == b.advantage and torch.equal(a.loss_mask, b.loss_mask)
+            assert streamed.last_batch[1][1]["samples_generated"] == stats["samples_generated"] == 8
+            for s_ in (streamed, whole):
+                s_.before_sync()
+                s_.weights_updated(step)
+        assert pending[0] == 1  # step 2's first mini-batch came before prompt 5's group was complete
+        assert to_sequences(streamed.groups, c)[0][0].tokens.tolist() == joined[0].tokens.tolist()
+    finally:
+        streamed.close()
+        whole.close()
 
 
 def test_stream_settings_are_checked_up_front():

@@ -86,8 +86,15 @@ PLATFORMS = {
             "--disable-overlap-schedule",
             "--sleep-on-idle",  # without it the idle scheduler spins one core at 100%
         ),
-        # without it `--device cpu` fails importing vllm (sglang/srt/layers/rotary_embedding)
-        (("SGLANG_USE_CPU_ENGINE", "1"),),
+        (
+            # without it `--device cpu` fails importing vllm (sglang/srt/layers/rotary_embedding)
+            ("SGLANG_USE_CPU_ENGINE", "1"),
+            # a stopped server (SIGTERM to its process group) sees its scheduler die and first sleeps 5 s "to let GPU
+            # activity settle" before a py-spy dump and a CUDA coredump (sglang 0.5.23 srt/environ.py:401-402, read in
+            # srt/managers/tokenizer_manager.py:3395-3485); a CPU has neither GPU activity nor coredumps
+            ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0"),
+            ("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0"),
+        ),
         tensor_device="cpu",
         group_backend="gloo",
         # CPU tensors reach the server as shared-memory FILES: with torch's default "file_descriptor" strategy the
