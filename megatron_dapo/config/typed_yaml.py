@@ -50,8 +50,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{source}: {key} = {value!r}: expected {_type_name(tp)}")
-    if isinstance(value, BareWord) and not (tp is str or (origin is Literal and str(value) in typing.get_args(tp))):
-        value = value.flag
+    if isinstance(value, BareWord):  # a plain str or bool from here on: the config deep-copies and pickles
+        value = str(value) if tp is str or (origin is Literal and str(value) in typing.get_args(tp)) else value.flag
     if origin is Literal:
         if isinstance(value, bool) and ("on" if value else "off") in typing.get_args(tp):
             value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a bool: `tis: on` means "on"

@@ -1,10 +1,11 @@
 """Typed config: YAML recipes, dotted overrides, validation errors that name the key and the file."""
 
+import copy
 from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config.run_config import RECIPES_DIR, load_config
+from megatron_dapo.config.run_config import RECIPES_DIR, load_config, save_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import load_arch
 
@@ -207,10 +208,15 @@ def test_the_control_plane_outwaits_the_server_start():
         load_config("demo_cpu", ["rollout.control_timeout_s=60", "rollout.server_timeout_s=600"])
 
 
-def test_on_and_off_choices_take_yamls_bare_on_and_off():
+def test_on_and_off_choices_take_yamls_bare_on_and_off(tmp_path):
     # YAML 1.1 reads a bare `on` / `off` as a bool: `algo.tis=on` was refused as "algo.tis = True: must be one of ..."
     assert load_config("demo_cpu", ["algo.tis=on"]).algo.tis == "on"
     assert load_config("demo_cpu", ["algo.tis=off"]).algo.tis == "off"
+    # a choice kept as the command line's bare word could not be saved: `dapo train algo.tis=off` died in save_config
+    cfg = load_config("demo_cpu", ["algo.tis=off"])
+    assert type(cfg.algo.tis) is str and copy.deepcopy(cfg).algo.tis == "off"
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(str(tmp_path / "config.yaml")).algo.tis == "off"
     with pytest.raises(ConfigError, match=r"algo\.tis = 'yes': must be one of 'auto', 'on', 'off'"):
         load_config("demo_cpu", ["algo.tis='yes'"])
 
