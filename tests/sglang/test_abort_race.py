@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from megatron_dapo.engines.sglang import aborts as sglang_aborts
 from megatron_dapo.engines.sglang import capacity as sglang_capacity
 from megatron_dapo.engines.sglang import client as sglang_engine
 from megatron_dapo.engines.sglang.server import http_call
@@ -37,6 +38,8 @@ def test_a_request_that_reaches_the_server_after_the_abort_is_aborted_too(engine
         return real(url, path, body, *args, **kwargs)
 
     monkeypatch.setattr(sglang_engine, "http_call", late)
+
+    monkeypatch.setattr(sglang_aborts, "http_call", late)  # the abort calls
     requests = [GenRequest([1, 2, 3], 1, seed=0), GenRequest([1, 2, 4], LONG, seed=1)]
     try:
         for first in engine.generate_requests(requests, SamplingParams(max_new_tokens=LONG)):

@@ -133,11 +133,13 @@ def test_a_request_the_pool_starts_after_an_abort_is_neither_sent_nor_counted(mo
     """generate_stream queues every request on a pool of max_concurrency threads: a thread freed by the abort may pick
     up a queued request before the stream cancels it. It must see the abort and send nothing (seen: all 6 of 6 sent
     and counted under load, tests/sglang/test_server.py::test_stream_then_abort_the_surplus)."""
+    from megatron_dapo.engines.sglang import aborts as sglang_aborts
     from megatron_dapo.engines.sglang import client as sglang_engine
     from megatron_dapo.engines.sglang.server import SGLangServer
 
     sent = []
-    monkeypatch.setattr(sglang_engine, "http_call", lambda url, path, *a, **k: sent.append(path))
+    for module in (sglang_engine, sglang_aborts):  # requests, and the abort calls
+        monkeypatch.setattr(module, "http_call", lambda url, path, *a, **k: sent.append(path))
     engine = SGLangEngine([SGLangServer.attach("http://127.0.0.1:9", device="cpu")], dtype="bfloat16", start=False)
     req = engine._request([1, 2], SamplingParams(max_new_tokens=4), seed=0, rid="r-0-0-1")
     stale = engine._abort_gen

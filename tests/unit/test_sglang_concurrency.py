@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megatron_dapo.config.run_config import load_config
+from megatron_dapo.engines.sglang import aborts as sglang_aborts
 from megatron_dapo.engines.sglang import client as sglang_engine
 from megatron_dapo.engines.sglang.capacity import per_server_concurrency
 from megatron_dapo.engines.sglang.client import SGLangEngine
@@ -59,6 +60,7 @@ class FakeServers:
 
 def _engine(monkeypatch, fake: FakeServers, overrides=()) -> SGLangEngine:
     monkeypatch.setattr(sglang_engine, "http_call", fake)
+    monkeypatch.setattr(sglang_aborts, "http_call", fake)  # the abort calls
     cfg = load_config("dapo_32b", list(overrides))
     urls = [f"http://10.0.{i // 8}.{i % 8}:30000" for i in range(N_SERVERS)]
     return SGLangEngine.from_config(cfg, None, server_urls=urls, start=False)
