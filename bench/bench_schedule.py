@@ -1,6 +1,8 @@
 """Rollout schedules side by side on the long-tailed chain task (``recipes/chain_cpu.yaml``: responses of 2–7 running
 sums, some past the 24-token limit): ``sync`` vs ``partial`` (``rollout.partial=true``) vs ``one_step_off`` and
-``async`` (``rollout.schedule``, max_staleness 2) and ``stream`` (staleness 0.5, the sync interrupting), rolled out by the HF engine in the trainer's process (``--engine hf``;
+``async`` (``rollout.schedule``, max_staleness 2) and ``stream`` (staleness 0.5, the sync interrupting) and
+``stream_train`` (stream with streaming training: ``--old-logprobs rollout --mini-batch-prompts 4``), rolled out by the
+HF engine in the trainer's process (``--engine hf``;
 one_step_off/async generate in a producer thread on their own copy of the weights) or by the real SGLang server on
 CPU cores (``--engine sglang``: ``recipes/chain_cpu_sglang.yaml``, one server per run, its own processes).
 
@@ -40,7 +42,10 @@ REPO = HERE.parent
 OFF = ["rollout.colocate=false"]  # one_step_off/async: the engine on its own weights (refused when colocated)
 SCHEDULES = {"sync": [], "partial": ["rollout.partial=true"], "one_step_off": ["rollout.schedule=one_step_off", *OFF],
              "async": ["rollout.schedule=async", "rollout.max_staleness=2", *OFF],
-             "stream": ["rollout.schedule=stream", "rollout.stream_staleness=0.5", *OFF]}  # fmt: skip
+             "stream": ["rollout.schedule=stream", "rollout.stream_staleness=0.5", *OFF],
+             # streaming training: each mini-batch update as soon as its groups are kept (needs --old-logprobs rollout)
+             "stream_train": ["rollout.schedule=stream", "rollout.stream_staleness=0.5", *OFF,
+                              "train.stream_updates=true"]}  # fmt: skip
 # every group kept (a short warm start leaves most groups all wrong): B = 16 of 32 prompts a round, the rest surplus
 # lr 1e-4 decaying to 1e-5 over the run: chain_cpu's 1e-3 collapses RL (ppo_kl ~0.1; seen here: the sync runs fell
 # from 0.20 to 0.00 training accuracy within 18 steps, and the 2026-12-01 bench's held-out accuracy was 0 for every
@@ -124,7 +129,8 @@ def main() -> None:
         help="algo.old_logprobs: 'rollout' drops the π_old forward, the correction then compares with it",
     )
     args = ap.parse_args()
-    chosen = {name: [*SCHEDULES[name], f"algo.old_logprobs={args.old_logprobs}"] for name in args.schedules.split(",")}
+    chosen = {name: [*SCHEDULES[name], f"algo.old_logprobs={args.old_logprobs}",
+                     f"train.mini_batch_prompts={args.mini_batch_prompts}"] for name in args.schedules.split(",")}  # fmt: skip
     if args.corrections:
         chosen = {f"{name}/{c}": [*over, *(["algo.tis=off"] if c == "off" else ["algo.tis=on", f"algo.correction={c}"])]
                   for name, over in chosen.items() for c in args.corrections.split(",")}  # fmt: skip
@@ -158,7 +164,8 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
             "trainer_idle_ratio", "rollout_idle_ratio", "partial_ratio", "interrupted", "tis_masked_frac", "eval", "steps",
             "samples"]  # fmt: skip
     engine = {"hf": "HF engine", "sglang": "the real SGLang server"}[args.engine]
-    lines = [f"# Rollout schedules on the chain task ({engine}, CPU) — {date}", "", f"algo.old_logprobs={args.old_logprobs}",
+    lines = [f"# Rollout schedules on the chain task ({engine}, CPU) — {date}", "",
+             f"algo.old_logprobs={args.old_logprobs}, train.mini_batch_prompts={args.mini_batch_prompts} (of 16)",
              "",
              f"{platform.machine()}, {os.cpu_count()} cores (shared: other jobs ran meanwhile), {args.seeds} seed(s), "
              f"budget {args.sample_budget} samples or {args.minutes} min per run; {seconds:.0f} s in all.", "",
@@ -175,6 +182,7 @@ def report(results: dict[str, list[dict]], args, seconds: float, out: Path) -> N
         f"schedule-{date}"
         + ("-sglang" if args.engine == "sglang" else "")
         + ("-corrections" if args.corrections else "")
+        + ("-stream-train" if "stream_train" in args.schedules else "")
     )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
