@@ -14,6 +14,10 @@ those folders runs on one worker; any other file keeps its module-scoped fixture
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +93,24 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(f"test files in the tree were not collected (norecursedirs / python_files?): {names}")
     if hasattr(config, "workerinput"):  # an xdist worker: the collection order is the order work is handed out in
         items.sort(key=lambda item: hand_out_rank(item.nodeid))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``DAPO_TEST_CPU_LOG=FILE``: per test, its wall-clock seconds and the CPU seconds of this process and of the
+    children it waited for (torchrun, ``dapo train``, servers stopped), one JSON line each: where the suite's time is
+    CPU work and where it waits (a Slurm time limit, a timeout under test)."""
+    out = os.environ.get("DAPO_TEST_CPU_LOG")
+    if not out:
+        yield
+        return
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall, used = time.monotonic(), cpu()
+    yield
+    with open(out, "a") as f:
+        row = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(cpu() - used, 2)}
+        f.write(json.dumps(row) + "\n")
