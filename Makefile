@@ -10,10 +10,11 @@ SGLANG  ?= sglang==0.5.23
 PYTEST_ARGS ?=
 # the slowest tests, printed at the end of `make test` (where the suite's time goes, for whoever trims it next)
 PYTEST_DURATIONS ?= --durations=60
-# pytest-xdist workers, for machines with cores to spare (tests/conftest.py's scheduler keeps each shared SGLang server
-# and the local Slurm on one worker). 0 (one process) by default: on 2 cores the suite is CPU-bound, and 2 workers
-# measured no gain (25 min 22 s for 801 tests; one process 22 min 49 s for 758 the day before), each test ~2x slower.
-PYTEST_WORKERS ?= 0
+# pytest-xdist workers (tests/conftest.py's scheduler keeps each shared SGLang server and the local Slurm on one
+# worker, handing the longest scopes out first). 2 by default: the Slurm folder mostly waits on Slurm (time limits,
+# requeues: tests/slurm + tests/unit took 502 s on 2 workers against ~790 s in one process, 2 cores, 2026-12-06), and
+# it waits beside the SGLang folder's CPU work; 0 runs one process.
+PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope,)
 
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.

@@ -4,8 +4,8 @@ pytest silently skips folders matched by ``norecursedirs`` (its default list hol
 that do not match ``python_files``; a test folder dropped that way reports nothing, not even a skip. When a run
 collects a directory (``make test`` collects ``tests/``), each ``test_*.py`` below it must have been visited.
 
-``make test PYTEST_WORKERS=N`` runs on N pytest-xdist workers (``-n N --dist loadscope``; 0, one process, is the
-default: on 2 cores the suite is CPU-bound and 2 workers gained nothing). The scheduler below keeps together what a
+``make test`` runs on ``PYTEST_WORKERS`` (2) pytest-xdist workers (``-n N --dist loadscope``; 0: one process): the
+Slurm folder mostly waits, beside the others' CPU work. The scheduler below keeps together what a
 fixture builds once: tests/sglang shares one SGLang server per session and tests/slurm one local Slurm, so each of
 those folders runs on one worker; any other file keeps its module-scoped fixtures on one worker. (xdist's own
 ``loadgroup`` cannot do it on pytest 9.2: its group suffix goes to ``item._nodeid``, which pytest 9.2's

@@ -389,6 +389,7 @@ class MegatronActor:
         logprobs are π_old exactly (ratio 1, as verl and TRL do) and no separate pass is needed. Afterwards every
         sequence holds the ``old_logprobs`` (and, where computed here, the ``entropy``) the step used."""
         minis, first_from_forward, missing_idx = self.step_plan(seqs)
+        self.check_batch(seqs)
         tally = StepTally(time.perf_counter())
         missing = [seqs[i] for i in missing_idx]
         if missing:  # to rank 0 (metrics) and the DP rank that trains on each sequence, not to every rank
@@ -417,23 +418,27 @@ class MegatronActor:
         tally = StepTally(time.perf_counter(), streamed=True)
         for k in range(count):
             mini = next_mini(k)
+            self.check_batch(mini)
             t0 = time.perf_counter()
             self.update_mini_batch(mini, tally, from_forward=k == 0)
             tally.update_seconds += time.perf_counter() - t0
         return tally
 
+    def check_batch(self, seqs: list[Sequence]) -> None:
+        """What the updates read, checked before the first (the whole batch, or a streamed mini-batch on arrival)."""
+        if self.replay:
+            routes.check_routes(seqs, self.cfg)
+        if self.cfg.tis_possible and self.cfg.algo.tis_cap and any(s.rollout_logprobs is None for s in seqs):
+            raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
+        if self.cfg.algo.old_logprobs == "rollout" and any(s.rollout_logprobs is None for s in seqs):
+            raise ValueError("algo.old_logprobs = 'rollout' but a sequence has no rollout_logprobs (the engine's)")
+
     def update_mini_batch(self, mini: list[Sequence], tally: StepTally, from_forward: bool) -> None:
         """One optimizer update on ``mini`` (a DP rank's share whole, the rest as stubs); ``from_forward``: π_old is
         the current policy, taken from this forward (the step's first update)."""
         a = self.cfg.algo
-        if self.replay:
-            routes.check_routes(mini, self.cfg)
         tis_cap = a.tis_cap if self.cfg.tis_possible else None  # tis_enabled: every token; else the tis_mask ones
-        if tis_cap and any(s.rollout_logprobs is None for s in mini):
-            raise ValueError("algo.tis is on but a sequence has no rollout_logprobs (the engine's logprobs)")
         rollout_old = a.old_logprobs == "rollout"
-        if rollout_old and any(s.rollout_logprobs is None for s in mini):
-            raise ValueError("algo.old_logprobs = 'rollout' but a sequence has no rollout_logprobs (the engine's)")
         if tally.updates == 0:
             tally.replay_metrics = routes.routing_probe(self, mini) if self.routed else {}
         for m in self.model:

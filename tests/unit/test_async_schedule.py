@@ -226,7 +226,9 @@ def test_the_trainer_has_no_branch_on_the_schedule():
     from tests.helpers import REPO
 
     src = (REPO / "megatron_dapo" / "loop/trainer.py").read_text()
-    assert not re.search(r"cfg\.rollout\.(schedule|partial|max_staleness)\b", src)  # the mode: the schedule's
+    # the mode is the schedule's, and whether updates stream is loop/updates.py's (which calls schedule.next_batch)
+    assert not re.search(r"cfg\.(rollout\.(schedule|partial|max_staleness)|train\.stream_updates)\b", src)
+    src += (REPO / "megatron_dapo" / "loop/updates.py").read_text()
     for call in ("schedule.next_batch", "schedule.before_sync()", "schedule.weights_updated(", "schedule.state_dict()",
-                 "schedule.close()"):  # fmt: skip
+                 "schedule.close()", "updates.collect(step)", "updates.train(seqs)"):  # fmt: skip
         assert call in src, call

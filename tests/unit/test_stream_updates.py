@@ -95,6 +95,9 @@ def test_a_mini_batch_is_trained_before_the_next_groups_are_kept():
     class Actor:
         cfg = load_config("demo_cpu", [*OVERRIDES, "train.batch_prompts=6"])
 
+        def check_batch(self, mini):
+            assert len(mini) == 2
+
         def update_mini_batch(self, mini, tally, from_forward):
             events.append(f"update {mini[0]} first={from_forward}")
 
