@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 PYTEST_DURATIONS ?= --durations=60
 # pytest-xdist workers (tests/conftest.py's scheduler keeps each shared SGLang server and the local Slurm on one
 # worker, handing the longest scopes out first). 2 by default: the Slurm folder mostly waits on Slurm (time limits,
-# requeues: tests/slurm + tests/unit took 502 s on 2 workers against ~790 s in one process, 2 cores, 2026-12-06), and
-# it waits beside the SGLang folder's CPU work; 0 runs one process.
+# requeues) beside the others' CPU work. The whole suite on a clean clone, 2 cores, 2026-12-06: 21 min 29 s on 2
+# workers (1,026 tests), 36 min 25 s in one process (1,018 tests, the day before). 0 runs one process.
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope,)
 
