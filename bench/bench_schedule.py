@@ -128,6 +128,7 @@ def main() -> None:
         default="recompute",
         help="algo.old_logprobs: 'rollout' drops the π_old forward, the correction then compares with it",
     )
+    ap.add_argument("--mini-batch-prompts", type=int, default=16, help="train.mini_batch_prompts (B is 16)")
     args = ap.parse_args()
     chosen = {name: [*SCHEDULES[name], f"algo.old_logprobs={args.old_logprobs}",
                      f"train.mini_batch_prompts={args.mini_batch_prompts}"] for name in args.schedules.split(",")}  # fmt: skip
