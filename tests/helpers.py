@@ -83,3 +83,22 @@ def fake_allocation_srun(tmp_path: Path, monkeypatch, gpus_on_node: int = 8) -> 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")  # inside an allocation, not a dry run
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", str(gpus_on_node))
     return calls
+
+
+def fresh_actors(make_config):
+    """The body of a module fixture (``yield from fresh_actors(...)``): ``make(*args)`` builds a ``MegatronActor`` on
+    ``make_config(*args)`` after tearing down the previous one's process groups (one actor lives at a time); the last
+    is torn down when the module ends."""
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.dist import teardown
+
+    made = []
+
+    def make(*args):
+        if made:
+            teardown()
+        made.append(MegatronActor(make_config(*args)))
+        return made[-1]
+
+    yield make
+    teardown()

@@ -8,6 +8,7 @@ import torch
 
 from megatron_dapo.algo.batch import Group, logprob_gap_stats, policy_entropy, to_sequences
 from megatron_dapo.config.run_config import load_config
+from tests.helpers import fresh_actors
 
 PROMPT = [5, 6, 7]
 # model tokens, then a tool's output (mask 0), then model tokens again
@@ -53,23 +54,8 @@ def test_the_overlong_penalty_counts_the_models_own_tokens():
 
 @pytest.fixture(scope="module")
 def make_actor():
-    from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.actor.dist import teardown
-
-    made = []
-
-    def make():
-        if made:
-            teardown()
-        cfg = load_config(
-            "demo_cpu",
-            ["train.batch_prompts=1", "train.mini_batch_prompts=1", "algo.group_size=2", "train.warmup_steps=0"],
-        )
-        made.append(MegatronActor(cfg))
-        return made[-1]
-
-    yield make
-    teardown()
+    overrides = ["train.batch_prompts=1", "train.mini_batch_prompts=1", "algo.group_size=2", "train.warmup_steps=0"]
+    yield from fresh_actors(lambda: load_config("demo_cpu", overrides))
 
 
 def trained(make_actor, mask, inserted_old_logprob: float) -> dict[str, torch.Tensor]:

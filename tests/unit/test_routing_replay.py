@@ -13,6 +13,7 @@ from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.engines.sglang.routes import RouteLayout
 from megatron_dapo.types import RolloutError, SamplingParams, TokenizerInfo
+from tests.helpers import fresh_actors
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
 
@@ -36,19 +37,7 @@ def config(replay: bool, *extra: str):
 
 @pytest.fixture(scope="module")
 def make_actor():
-    from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.actor.dist import teardown
-
-    made = []
-
-    def make(replay: bool, *extra: str):
-        if made:
-            teardown()
-        made.append(MegatronActor(config(replay, *extra)))
-        return made[-1]
-
-    yield make
-    teardown()
+    yield from fresh_actors(config)  # make_actor(replay, *extra)
 
 
 def engine_sequences(actor, perturb: float = 0.5):

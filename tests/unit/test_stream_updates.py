@@ -11,6 +11,7 @@ from megatron_dapo.algo.batch import Group, to_sequences
 from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.loop.updates import StreamedUpdates
+from tests.helpers import fresh_actors
 
 OVERRIDES = ["train.batch_prompts=4", "train.mini_batch_prompts=2", "algo.group_size=2", "train.warmup_steps=0",
              "algo.old_logprobs=rollout", "train.lr=1e-2"]  # fmt: skip
@@ -38,18 +39,7 @@ def groups(seed: int) -> list[Group]:
 
 @pytest.fixture(scope="module")
 def make_actor():
-    from megatron_dapo.actor.dist import teardown
-
-    made = []
-
-    def make():
-        if made:
-            teardown()
-        made.append(MegatronActor(load_config("demo_cpu", OVERRIDES)))
-        return made[-1]
-
-    yield make
-    teardown()
+    yield from fresh_actors(lambda: load_config("demo_cpu", OVERRIDES))
 
 
 def params(actor) -> dict[str, torch.Tensor]:
