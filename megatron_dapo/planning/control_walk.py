@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -235,6 +236,7 @@ class Recorder:
         self.groups: dict[int, tuple[str, str]] = {}  # id(group) -> (plane, name)
         self._gloo = 0
         self._calls: dict[Event, int] = {}  # how many times each call was made (its place in its phase)
+        self.raised_at: tuple[int, str] | None = None  # where the walk of this rank raised
 
     @contextlib.contextmanager
     def at(self, step: int, phase: str):
@@ -242,6 +244,9 @@ class Recorder:
         self.step, self.phase = step, phase
         try:
             yield
+        except Exception:
+            self.raised_at = self.raised_at or (self.step, self.phase)
+            raise
         finally:
             self.step, self.phase = before
 
@@ -263,11 +268,10 @@ class Recorder:
         return new_group
 
     def collective(self, name: str, real):
+        signature = inspect.signature(real)
+
         def call(*args, **kwargs):
-            group = kwargs.get("group")
-            if group is None and name in ("broadcast_object_list", "all_gather_object"):
-                group = args[2] if len(args) > 2 else None
-            plane, gname = self.group_of(group)
+            plane, gname = self.group_of(signature.bind(*args, **kwargs).arguments.get("group"))
             event = Event(plane, gname, name, self.step, self.phase)
             self.events.append(event)
             self._calls[event] = self._calls.get(event, 0) + 1
@@ -353,6 +357,9 @@ def _walk_rank(cfg: DapoConfig, world: int, rank: int, members: list[list[int]],
                         sync_weights(engine, step)
                     with rec.at(step, "weights_updated"):
                         schedule.weights_updated(step)
+        except Exception as e:  # recorded where it happened: check_sync names it
+            step, phase = rec.raised_at or (rec.step, rec.phase)
+            rec.events.append(Event("error", "error", f"{type(e).__name__}: {e}", step, phase))
         finally:
             schedule.close()
     return rec.events
@@ -406,10 +413,18 @@ def describe(walk: dict[int, list[Event]], compact: bool = True) -> dict[int, li
 def check_sync(walk: dict[int, list[Event]], schedule: str) -> list[str]:
     """What goes wrong at the weight sync, one line each naming ``schedule`` ([] when nothing does):
 
+    - a rank whose walk raised (the schedule's error, or a broadcast rank 0 never made);
+
     - a rank but rank 0 whose first default-group collective after a step's training comes before its control-plane meeting in
       ``before_sync`` (it would wait for rank 0's drain inside the default group, under its watchdog);
     - a rank whose collectives on a group it shares with rank 0 differ from rank 0's in order (a hang on a cluster)."""
     failures = [] if set(walk) - {0} else [f"{schedule}: no rank but rank 0 walked: nothing to check"]
+    failures += [
+        f"{schedule}: rank {rank}'s walk raised at step {e.step} ({e.phase}): {e.op}"
+        for rank, events in sorted(walk.items())
+        for e in events
+        if e.plane == "error"
+    ]
     for rank, events in sorted(walk.items()):
         if rank == 0:  # the driver drains; the others must not wait for it in the default group
             continue
@@ -435,7 +450,7 @@ def _order_mismatches(walk: dict[int, list[Event]], schedule: str) -> list[str]:
     for rank, events in sorted(walk.items()):
         if rank == 0:
             continue
-        for group in sorted({e.group for e in events}):
+        for group in sorted({e.group for e in events if e.plane != "error"}):
             a = [(e.step, e.phase, e.op) for e in driver if e.group == group]
             b = [(e.step, e.phase, e.op) for e in events if e.group == group]
             if a != b:

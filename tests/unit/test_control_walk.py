@@ -97,6 +97,18 @@ def test_a_collective_of_one_rank_only_fails_the_check(cfg, monkeypatch):
     ]
 
 
+def test_an_error_of_rank_0_in_before_sync_is_named_on_every_rank(cfg, monkeypatch):
+    def drain(self):
+        raise RuntimeError("engine gone")
+
+    monkeypatch.setattr(AsyncSchedule, "_drain", drain)
+    failures = check_sync(walk_sync(cfg, 2, [1], "one_step_off"), "one_step_off")
+    assert failures == [
+        "one_step_off: rank 0's walk raised at step 1 (before_sync): RuntimeError: engine gone",
+        "one_step_off: rank 1's walk raised at step 1 (before_sync): DriverError: rank 0: RuntimeError: engine gone",
+    ]
+
+
 def test_at_128_ranks_a_middle_rank_gets_its_dp_share_and_rank_0_sends_every_share(cfg):
     tp2 = load_config("demo_cpu", ["parallel.tp=2"])
     walk = walk_sync(tp2, 128, [77], "stream_updates")
