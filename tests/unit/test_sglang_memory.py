@@ -76,6 +76,31 @@ def test_terms_follow_the_settings():
     assert none.kv_tokens == 0 and none.req_to_token == 0
 
 
+def test_phases_take_sglang_terms():
+    """models.memory's rollout and start-up phases: with ``r.sglang`` (what the planner attaches) the engine's rows
+    are its own terms and "overhead" is the trainer's; without, the rows the planner has always had."""
+    from types import SimpleNamespace as NS
+
+    from megatron_dapo.models.memory import rollout_phase, startup_phase
+
+    sg = sm.sglang_arch_terms(QWEN32, 4, sm.gpu_total_bytes("h100-80gb"), 0.62)
+    m = NS(weights=7 * GiB, fp8_cache=0.5 * GiB, grads=7.5 * GiB, optimizer=3 * GiB, stage=1)
+    o = NS(offload_train_state=True, overhead_gb=5.0, cuda_graph_gb=2.0)
+    r = NS(sglang_tp=4, share=sg.weights + sg.kv_cache, mem_fraction=0.62, weights=sg.weights, kv_tokens=sg.kv_tokens)
+    usable = 0.95 * sm.gpu_total_bytes("h100-80gb")
+    old = startup_phase(m, r, o, usable, 8)
+    assert [k for k, _, _ in old.rows][-3:] == ["SGLang weights + KV", "SGLang CUDA graphs", "overhead"]
+    r.sglang = sg
+    start, gen = startup_phase(m, r, o, usable, 8), rollout_phase(m, r, o, usable)
+    assert start.total == pytest.approx(18 * GiB + sg.startup + 5 * GiB)
+    assert gen.total == pytest.approx(7.5 * GiB + sg.rollout + 5 * GiB)
+    rows = dict((k, v) for k, v, _ in gen.rows)
+    assert rows["SGLang CUDA graphs"] == 1 * GiB and rows["SGLang activations"] == 12 * GiB
+    assert rows["SGLang request table"] == sg.req_to_token and rows["SGLang KV cache"] == sg.kv_cache
+    assert "SGLang activations" not in dict((k, v) for k, v, _ in start.rows)
+    assert "554,017" in start.explain() and "the trainer's CUDA context" in gen.explain()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Against SGLang's code
 
