@@ -76,6 +76,19 @@ def test_terms_follow_the_settings():
     assert none.kv_tokens == 0 and none.req_to_token == 0
 
 
+def test_fit_mem_fraction():
+    """The largest mem_fraction whose server fits the room each phase leaves it (what the planner asks when
+    rollout.mem_fraction is unset)."""
+    g = sm.gpu_total_bytes("h100-80gb")
+    s62 = sm.sglang_arch_terms(QWEN32, 4, g, 0.62)
+    assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup, s62.rollout) == 0.62
+    assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup - 1, s62.rollout) == 0.61
+    assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup + 0.5 * GiB, s62.rollout - 1) == 0.61  # the rollout binds
+    assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup) == 0.62  # rollout unchecked
+    assert sm.fit_mem_fraction(QWEN32, 4, g, 10 * GiB, 100 * GiB) == 0.0  # not even the weights
+    assert sm.fit_mem_fraction(QWEN32, 4, g, 200 * GiB) == 0.99
+
+
 def test_phases_take_sglang_terms():
     """models.memory's rollout and start-up phases: with ``r.sglang`` (what the planner attaches) the engine's rows
     are its own terms and "overhead" is the trainer's; without, the rows the planner has always had."""

@@ -331,3 +331,24 @@ def sglang_arch_terms(arch, tp: int, gpu_total_bytes: float, mem_fraction: float
     cell = kv_cell_bytes(arch.num_layers, arch.num_query_groups, arch.head_dim, tp, BF16)
     weights = BF16 * total_params(arch) / tp
     return sglang_gpu_terms(weights, gpu_total_bytes, mem_fraction, tp, cell, arch.max_position_embeddings, **kw)
+
+
+def fit_mem_fraction(
+    arch, tp: int, gpu_total_bytes: float, startup_room: float, rollout_room: float | None = None, **kw
+) -> float:
+    """The largest ``mem_fraction`` (2 decimals) whose server fits the bytes left to it in each phase: ``startup`` <=
+    ``startup_room`` (beside the trainer's whole state) and ``rollout`` <= ``rollout_room`` (beside what the trainer
+    keeps while generating; None: unchecked); 0.0 when none does. ``kw`` as for ``sglang_gpu_terms``."""
+    pre = kw.get("free_at_start") or gpu_total_bytes - kw.get("context_bytes", CUDA_CONTEXT_BYTES)
+    probe = sglang_arch_terms(arch, tp, gpu_total_bytes, 0.5, **kw)
+    pool = probe.weights + probe.kv_cache
+    room = startup_room - (probe.startup - pool)
+    if rollout_room is not None:
+        room = min(room, rollout_room - (probe.rollout - pool))
+    fraction = min(int(room / pre * 100) / 100, 0.99)
+    while fraction > 0:  # the request table grows with the KV pool: step down until it fits
+        s = sglang_arch_terms(arch, tp, gpu_total_bytes, fraction, **kw)
+        if s.startup <= startup_room and (rollout_room is None or s.rollout <= rollout_room):
+            return fraction
+        fraction = round(fraction - 0.01, 2)
+    return 0.0
