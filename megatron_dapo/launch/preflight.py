@@ -142,18 +142,22 @@ def probe(needs: Needs | None = None) -> Facts:
     return Facts(torch.__version__, torch.version.cuda, devices, mcore, {m: _try_import(m) for m in modules})
 
 
-def probe_python(python: str, needs: Needs) -> Facts:
-    """The facts of another interpreter (``python -m megatron_dapo.launch.preflight``); its own when it is this one."""
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+def probe_python(python: str | list[str], needs: Needs, where: str = "") -> Facts:
+    """The facts of another interpreter (``python -m megatron_dapo.launch.preflight``); its own when it is this one.
+    ``python`` may be a command line ending in the interpreter: ``srun ... --container-image=IMG python`` probes the
+    image's (``where`` names it in the errors)."""
+    if isinstance(python, str) and os.path.realpath(python) == os.path.realpath(sys.executable):
         return probe(needs)
+    prefix = [python] if isinstance(python, str) else list(python)
+    shown = where or prefix[-1]
     try:
-        cmd = [python, "-m", "megatron_dapo.launch.preflight", json.dumps(asdict(needs))]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        cmd = [*prefix, "-m", "megatron_dapo.launch.preflight", json.dumps(asdict(needs))]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # an image may take minutes to unpack
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise PreflightError(f"preflight: cannot run {python}: {e}") from e
-    if out.returncode != 0:
+        raise PreflightError(f"preflight: cannot run {shown}: {e}") from e
+    if out.returncode != 0 or not out.stdout.strip():
         raise PreflightError(
-            f"preflight: {python} -m megatron_dapo.launch.preflight failed ({out.returncode}): "
+            f"preflight: {shown} -m megatron_dapo.launch.preflight failed ({out.returncode}): "
             f"{out.stderr.strip()[-500:]}; {FIX_ENV}"
         )
     return Facts(**json.loads(out.stdout.splitlines()[-1]))
@@ -163,17 +167,18 @@ def preflight(
     cfg: DapoConfig,
     gpus_per_node: int = 0,
     starts_servers: bool = True,
-    python: str | None = None,
+    python: str | list[str] | None = None,
     where: str = "dapo train",
     gpus_why: str = "",
     sglang: bool = True,
+    python_name: str = "",
 ) -> None:
     """Probe and check (SGLang's imports unless ``sglang`` is false); raise ``PreflightError`` with every failed
-    check, one per line."""
+    check, one per line. ``python``: another interpreter, or a command line ending in one (``probe_python``)."""
     needs = needs_for(cfg, gpus_per_node, starts_servers, gpus_why)
     if not sglang:
         needs = dataclasses.replace(needs, sglang=False)
-    problems = check(needs, probe_python(python, needs) if python else probe(needs))
+    problems = check(needs, probe_python(python, needs, python_name) if python else probe(needs))
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise PreflightError(f"{where}: preflight: this environment cannot run the job:\n{lines}")
@@ -196,14 +201,35 @@ def train_preflight(cfg: DapoConfig, env: dict | None = None) -> None:
         check_tensor_sync_reach(cfg)
 
 
-def launch_preflight(cfg: DapoConfig, gpus_per_node: int, servers: int, python: str, stand_ins: bool = False) -> None:
+def launch_preflight(
+    cfg: DapoConfig,
+    gpus_per_node: int,
+    servers: int,
+    python: str,
+    stand_ins: bool = False,
+    in_image: list[str] | None = None,
+) -> None:
     """``dapo launch``, before any job step: the interpreter the steps run (``python``; this node's GPUs stand for
-    every node's). Nothing to check for a CPU job (each rank's ``dapo train`` checks its own), for stand-in programs
-    (``--server-cmd``/``--trainer-cmd``) or in a container (``cluster.container_image``: each rank checks inside)."""
-    if not gpus_per_node or stand_ins or cfg.cluster.container_image:
+    every node's). In a container (``cluster.container_image``) that is the image's: ``in_image``, the command line of
+    a one-task step in the image on the first node, ending in its interpreter (``LaunchPlan.preflight``), probes it
+    there, before any server step. Nothing to check for a CPU job (each rank's ``dapo train`` checks its own) or for
+    stand-in programs (``--server-cmd``/``--trainer-cmd``)."""
+    if not gpus_per_node or stand_ins:
         return
     why = "the plan's GPUs per node: SLURM_GPUS_ON_NODE, --gpus-per-node or cluster.gpus_per_node"
+    if cfg.cluster.container_image:
+        if not in_image:
+            return
+        where = f"dapo launch (in cluster.container_image = {cfg.cluster.container_image})"
+        name = f"cluster.container_image = {cfg.cluster.container_image}'s python (srun on {in_image_node(in_image)})"
+        preflight(cfg, gpus_per_node, servers > 0, python=in_image, where=where, gpus_why=why, python_name=name)
+        return
     preflight(cfg, gpus_per_node, servers > 0, python=python, where="dapo launch", gpus_why=why)
+
+
+def in_image_node(cmd: list[str]) -> str:
+    """The node an ``srun --nodelist=NODE ...`` command line runs on."""
+    return next((a.split("=", 1)[1] for a in cmd if a.startswith("--nodelist=")), "?")
 
 
 if __name__ == "__main__":  # [NEEDS as JSON]: what to probe (default: everything)

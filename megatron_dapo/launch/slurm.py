@@ -116,6 +116,9 @@ class LaunchPlan:
     memory: dict = field(default_factory=dict)  # GPU: each phase's predicted peak (launch/layout.py)
     layout_text: list[str] = field(default_factory=list)  # the engines, the sync plan, the memory, as describe() shows
     server_args_file: str = ""  # the servers' --config file (the API key, mode 0600), written when the job starts
+    # in a container: the one-task step in the image on the first node, up to its interpreter, that runs the GPU
+    # stack's preflight there before any server step (launch/preflight.py launch_preflight)
+    preflight: list[str] = field(default_factory=list)
 
     def roles(self) -> dict[str, list[str]]:
         return {
@@ -154,6 +157,8 @@ class LaunchPlan:
         lines += self.layout_text
         lines.append("env: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         lines.append("commands:")
+        if self.preflight:
+            lines.append(f"  [dapo-preflight] {shlex.join(self.preflight)} -m megatron_dapo.launch.preflight NEEDS")
         for s in [*self.servers, self.trainer]:
             lines.append(f"  [{s.name}] {shlex.join(s.srun)}")
         lines.append(f"logs: {self.log_dir}/ (one file per step; trainer-<rank>.log)")
@@ -300,8 +305,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     log_dir = opts.log_dir or str(Path(cfg.train.run_dir) / cfg.train.name / allocation_name(job_id, env))
     py = "python" if c.container_image else opts.python
 
-    def srun(name: str, step_nodes: list[str], ntasks: int, output: str) -> list[str]:
-        cmd = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--job-name={name}", f"--output={output}"]
+    def srun(name: str, step_nodes: list[str], ntasks: int, output: str | None) -> list[str]:
+        cmd = ["srun", "--overlap", "--kill-on-bad-exit=1", f"--job-name={name}"]
+        cmd += [f"--output={output}"] if output else []
         cmd += [f"--nodes={len(step_nodes)}", f"--ntasks={ntasks}", f"--ntasks-per-node={ntasks // len(step_nodes)}"]
         cmd += [f"--nodelist={','.join(step_nodes)}"]
         if gpu:
@@ -399,6 +405,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         log,
     )
 
+    # the image's GPU stack, checked in the image (one task on the first node) before any server step
+    preflight = [*srun("dapo-preflight", nodes[:1], 1, None), py] if c.container_image and gpu else []
     stop_file = f"{log_dir}/stop-request"
     run_env = {
         "MASTER_ADDR": master_addr,
@@ -453,6 +461,7 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         stop_file=stop_file,
         port_base=ports.base,
         server_args_file=args_file,
+        preflight=preflight,
         layout=pl.to_dict() if pl else {},
         memory=memory_dict(layout) if layout else {},
         layout_text=layout_text,
@@ -550,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             len(plan.servers),
             opts.python,
             stand_ins=bool(opts.server_cmd or opts.trainer_cmd),
+            in_image=plan.preflight,
         )
         print(plan.describe(), file=sys.stderr, flush=True)
         supervisor = Supervisor(plan, stop_before_s=args.stop_before or 0)

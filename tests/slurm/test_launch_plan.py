@@ -226,6 +226,10 @@ def test_container_and_network_settings():
         assert "--container-image=nvcr.io/x/y:1" in step.srun and f"--container-workdir={here}" in step.srun
         assert f"--container-mounts=/a:/a,/b:/b,{here}:{here}" in step.srun
         assert step.command[0] == "python"  # the container's interpreter, not this venv's
+    # the GPU stack's preflight runs in the image too, one task on the first node, before any server step
+    assert plan.preflight[:2] == ["srun", "--overlap"] and plan.preflight[-1] == "python"
+    assert "--container-image=nvcr.io/x/y:1" in plan.preflight and "--nodelist=node1" in plan.preflight
+    assert "[dapo-preflight] srun --overlap" in plan.describe() and plan_for(nodes=2).preflight == []
     assert plan.env["NCCL_SOCKET_IFNAME"] == plan.env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert plan.env["NCCL_IB_HCA"] == "mlx5"
     assert plan_for(nodes=2, env={"NCCL_IB_HCA": "mlx5_0"}).env["NCCL_IB_HCA"] == "mlx5_0"  # inherited
