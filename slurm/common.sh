@@ -5,8 +5,10 @@
 # the job (same id and options; the next allocation resumes from the checkpoint with --resume auto). DAPO_REQUEUE=0:
 # exit 75 instead, for a wrapper that resubmits.
 #
-# sbatch copies the job script to a spool directory, so the scripts find this file (and the repository) through
-# $DAPO_ROOT, default: the directory sbatch was called from. Submit from the repository root, or export DAPO_ROOT.
+# sbatch copies the job script to a spool directory, so the scripts find this file (and the repository) not through
+# $0 but by the lines they open with (the same in every slurm/*.sbatch): $DAPO_ROOT if set, else the path the script
+# was submitted as (scontrol's Command=), else the directory sbatch was called from; none has slurm/common.sh: one
+# line naming DAPO_ROOT, exit 2. Submit from anywhere; a copy of a script outside the repository needs DAPO_ROOT.
 # Optional environment: PYTHON (default: $DAPO_ROOT/.venv/bin/python if present, else python3; the GPU scripts refuse
 # a CPU-only torch: dapo_require_gpu_python), DAPO_ENV_SETUP (a file sourced first, e.g. `module load ...` or a conda
 # activate), OMP_NUM_THREADS.
@@ -49,9 +51,12 @@ _dapo_on_usr1() {
 trap '_dapo_on_error $LINENO "$BASH_COMMAND"' ERR
 trap _dapo_on_exit EXIT
 trap _dapo_on_usr1 USR1
+# the signal came while the script looked for this file (its first lines keep it in _DAPO_EARLY_USR1)
+if [[ -n ${_DAPO_EARLY_USR1:-} ]]; then _dapo_on_usr1; fi
 
 DAPO_ROOT=${DAPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 cd "$DAPO_ROOT"
+DAPO_ROOT=$PWD # absolute, without the scripts' slurm/.. (the steps' containers mount it at this path)
 if [[ -n ${DAPO_ENV_SETUP:-} ]]; then
     # shellcheck disable=SC1090
     source "$DAPO_ENV_SETUP"
@@ -66,13 +71,27 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # compute nodes usually have no internet: read checkpoints from disk
 
 # dapo_require_gpu_python ARGS...: a job that asks for CUDA devices and SGLang (the GPU scripts call this) refuses a
-# CPU-only torch in $PYTHON (the default, the repository's .venv, is one) before any step starts. Skipped when the
-# steps run a container's python (CONTAINER_IMAGE) and for --dry-run (it starts nothing). `dapo launch` then checks
-# the rest of the stack (megatron_dapo/launch/preflight.py).
+# CPU-only torch in $PYTHON (the default, the repository's .venv, is one) before any step starts; skipped for
+# --dry-run (it starts nothing). With CONTAINER_IMAGE the steps run the image's python, and this checks the driver's:
+# the driver runs on the batch node's host, not in the image, because it starts the steps with srun and reads
+# scontrol, which a pyxis image lacks (launch/nemo.py runs it so too); a CPU torch is enough for it. Its first act
+# is then the GPU stack's preflight inside the image, one task on this node, before any server step
+# (megatron_dapo/launch/preflight.py: CUDA torch, the GPUs, TE, SGLang, megatron-core).
 dapo_require_gpu_python() {
-    local arg line cuda='' rc=0 out=$DAPO_SIGNAL_FILE.torch
-    [[ -z ${CONTAINER_IMAGE:-} ]] || return 0
+    local arg line last='' cuda='' rc=0 out=$DAPO_SIGNAL_FILE.torch
     for arg in "$@"; do [[ $arg != --dry-run ]] || return 0; done
+    if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+        "$PYTHON" -c 'import megatron_dapo.launch.slurm' >"$out" 2>&1 || rc=$?
+        while IFS= read -r line || [[ -n $line ]]; do last=$line; done <"$out" # the last line: the error
+        rm -f "$out"
+        if ((rc != 0)); then
+            printf '%s %s %s\n' "the driver runs on the batch node outside CONTAINER_IMAGE (it starts the steps with srun)," \
+                "but PYTHON=$PYTHON cannot import megatron_dapo.launch.slurm ($last): set PYTHON to a python with this" \
+                "package's requirements ($DAPO_ROOT/.venv from \`make .venv/.installed\`; a CPU torch is enough)" >&2
+            return 3
+        fi
+        return 0
+    fi
     local fix="set PYTHON=/path/to/gpu-venv/bin/python (CUDA torch, SGLang, Transformer Engine: requirements/gpu.txt)"
     fix+=" or CONTAINER_IMAGE=<an image built from docker/Dockerfile> (the steps then run its python)"
     "$PYTHON" -c 'import torch; print(torch.version.cuda or "")' >"$out" 2>&1 || rc=$?
@@ -86,6 +105,98 @@ dapo_require_gpu_python() {
     if [[ -z $cuda ]]; then
         printf 'this job needs CUDA devices and SGLang, but PYTHON=%s has a CPU-only torch: %s\n' "$PYTHON" "$fix" >&2
         return 3
+    fi
+}
+
+# dapo_check_inputs KIND:VAR...: the job's inputs, checked on the batch node before any step starts (a missing parquet
+# found after 32 servers loaded the model costs an hour). One line per problem, each naming the variable and its value,
+# all of them, then return 2. KIND: model (an HF checkpoint directory: config.json and *.safetensors), files
+# (comma-separated readable files), outdir (a writable directory, or one that can be created), image (CONTAINER_IMAGE:
+# a local path must be a file; registry#image:tag is pyxis's to fetch), ifname (comma-separated network interfaces of
+# this node: NCCL's and gloo's sockets; empty: their own choice, said once). With CONTAINER_IMAGE the paths must also
+# be where the steps' containers see them: under DAPO_ROOT or a CONTAINER_MOUNTS entry mounted at its own path.
+dapo_check_inputs() {
+    local spec kind var value item items found path mount mounts src dst seen dir weights nets='' problems=()
+    for spec in "$@"; do
+        kind=${spec%%:*} var=${spec#*:}
+        value=${!var:-}
+        if [[ -z $value ]]; then
+            case $kind in
+            image) ;;
+            ifname) _dapo_log '%s' "$var is empty: NCCL picks its sockets' interface itself, gloo (the control plane) \
+the one $HOSTNAME resolves to; set $var=<interface> (e.g. ib0) if that is not the nodes' network" ;;
+            *) problems+=("$var is empty") ;;
+            esac
+            continue
+        fi
+        IFS=, read -r -a items <<<"$value"
+        for item in "${items[@]}"; do
+            found=${#problems[@]}
+            case $kind in
+            model)
+                weights=("$item"/*.safetensors)
+                if [[ ! -d $item ]]; then
+                    problems+=("$var=$item: no such directory")
+                elif [[ ! -f $item/config.json ]]; then
+                    problems+=("$var=$item: no config.json (not a Hugging Face checkpoint directory)")
+                elif [[ ! -f ${weights[0]} ]]; then
+                    problems+=("$var=$item: no *.safetensors (not a Hugging Face checkpoint directory)")
+                fi
+                ;;
+            files)
+                if [[ ! -e $item ]]; then
+                    problems+=("$var=$item: no such file")
+                elif [[ ! -f $item || ! -r $item ]]; then
+                    problems+=("$var=$item: not a readable file")
+                fi
+                ;;
+            outdir)
+                dir=$item
+                while [[ ! -e $dir ]]; do # the nearest existing parent (/ and . exist)
+                    case $dir in
+                    */*) dir=${dir%/*} dir=${dir:-/} ;;
+                    *) dir=. ;;
+                    esac
+                done
+                if [[ $dir == "$item" && (! -d $dir || ! -w $dir) ]]; then
+                    problems+=("$var=$item: not a writable directory")
+                elif [[ ! -d $dir || ! -w $dir ]]; then
+                    problems+=("$var=$item: cannot be created ($dir is not a writable directory)")
+                fi
+                ;;
+            image)
+                if [[ $item != *'#'* && ($item == /* || $item == .* || $item == *.sqsh) && ! -f $item ]]; then
+                    problems+=("$var=$item: no such file (a squashfs image: enroot import -o $item ...)")
+                fi
+                ;;
+            ifname)
+                item=${item#=} # NCCL's "exact name" mark; gloo takes names as they are
+                if [[ ! -e /sys/class/net/$item ]]; then
+                    if [[ -z $nets ]]; then
+                        for path in /sys/class/net/*; do nets+=" ${path##*/}"; done
+                    fi
+                    problems+=("$var=$item: no such network interface on $HOSTNAME (it has:$nets)")
+                fi
+                ;;
+            esac
+            if [[ -n ${CONTAINER_IMAGE:-} && $kind =~ ^(model|files|outdir)$ ]] && ((found == ${#problems[@]})); then
+                path=$item seen=''
+                [[ $path == /* ]] || path=$PWD/$path
+                IFS=, read -r -a mounts <<<"$DAPO_ROOT,${CONTAINER_MOUNTS:-}" # SRC[:DST[:FLAGS]]
+                for mount in "${mounts[@]}"; do
+                    src=${mount%%:*} dst=${mount#*:}
+                    dst=${dst%%:*}
+                    [[ -n $src && $src == "$dst" && ($path == "$src" || $path == "${src%/}"/*) ]] && seen=1
+                done
+                [[ -n $seen ]] || problems+=("$var=$item: not under DAPO_ROOT or a CONTAINER_MOUNTS entry mounted at \
+its own path (CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}): the steps in CONTAINER_IMAGE would not see it")
+            fi
+        done
+    done
+    if ((${#problems[@]})); then
+        printf '%s\n' "${problems[@]}" >&2
+        _dapo_log '%d problem(s) with the inputs above: nothing was started' "${#problems[@]}"
+        return 2
     fi
 }
 
@@ -119,5 +230,7 @@ dapo_launch() {
     return "$rc"
 }
 
+# the account and partition the job got (sbatch -A/-p, SBATCH_ACCOUNT/SBATCH_PARTITION or the cluster's defaults)
 phase "job ${SLURM_JOB_ID:-(no Slurm job)}: ${SLURM_JOB_NUM_NODES:-?} nodes (${SLURM_JOB_NODELIST:-?}),\
- GPUs/node ${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}, python $PYTHON, repo $DAPO_ROOT"
+ GPUs/node ${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}, account ${SLURM_JOB_ACCOUNT:-?}, partition\
+ ${SLURM_JOB_PARTITION:-?}, python $PYTHON, repo $DAPO_ROOT"

@@ -63,7 +63,8 @@ class LocalSlurm:
     env: dict[str, str]
 
     def run(self, *cmd: str, timeout: float = 60, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kw)
+        kw = {"env": self.env, "cwd": REPO, **kw}  # env, cwd: e.g. a submission from another directory
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
         if check and proc.returncode != 0:
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return proc
@@ -78,8 +79,8 @@ class LocalSlurm:
         code = re.search(r"\bExitCode=(\S+)", out)
         return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
 
-    def submit(self, *args: str) -> str:
-        out = self.run("sbatch", "--parsable", *args).stdout.strip()
+    def submit(self, *args: str, **kw) -> str:
+        out = self.run("sbatch", "--parsable", *args, **kw).stdout.strip()
         return out.split(";")[0]
 
     def wait(self, job_id: str, timeout: float) -> tuple[str, str, float]:

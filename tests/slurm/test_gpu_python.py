@@ -11,9 +11,17 @@ import sys
 import pytest
 
 from tests.helpers import REPO
+from tests.slurm.test_sbatch_inputs import make_inputs
 
 pytestmark = pytest.mark.timeout(120)
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "PYTHON"))}
+
+
+@pytest.fixture(autouse=True)
+def inputs(tmp_path, monkeypatch):
+    """The scripts check their paths before the python: valid ones (test_sbatch_inputs.py tests that check)."""
+    for key, value in make_inputs(tmp_path / "inputs").items():
+        monkeypatch.setitem(ENV, key, value)
 
 
 def _run(script: str, *args: str, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
@@ -37,9 +45,11 @@ def test_a_cuda_torch_a_container_or_a_dry_run_passes_the_check(tmp_path):
     fake.chmod(0o755)
     out = _run("dapo_32b.sbatch", python=str(fake))
     assert out.returncode == 0 and "driver -m megatron_dapo.launch.slurm" in out.stdout, out.stderr
-    for how in ({"CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.04-py3"}, {}):  # the image's python; --dry-run
-        args = () if how else ("--dry-run",)
-        out = _run("dapo_32b.sbatch", *args, python=str(tmp_path / "none"), **how)
+    # a container: the steps run the image's python (checked in the image by the driver); the driver this one, on the
+    # host, where a CPU torch does (test_sbatch_inputs.py); --dry-run starts nothing
+    image = {"CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.04-py3", "CONTAINER_MOUNTS": f"{tmp_path}:{tmp_path}"}
+    for python, how, args in ((sys.executable, image, ()), (str(tmp_path / "none"), {}, ("--dry-run",))):
+        out = _run("dapo_32b.sbatch", *args, python=python, **how)
         assert "CPU-only torch" not in out.stderr and "cannot import torch" not in out.stderr, out.stderr
         assert "== launch" in out.stderr
 

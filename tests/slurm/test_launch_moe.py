@@ -1,17 +1,15 @@
 """`dapo launch --recipe dapo_qwen3_30b_a3b --dry-run --nodes 4 model.hf_init=DIR` (no Slurm needed): the MoE recipe
-with slurm/dapo_qwen3_30b_a3b.sbatch's parallel sizes is predicted to fit, and every SGLang server it would start
+(its layout is what slurm/dapo_qwen3_30b_a3b.sbatch submits) is predicted to fit, and every SGLang server it would start
 returns its routed experts (routing replay is on by default for a mixture of experts; off, the actor still compares
 its own routing with the engine's)."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
 from megatron_dapo.config.run_config import load_config
-from tests.helpers import REPO
 from tests.slurm.test_launch_qwen3 import dapo_launch
 
 # config.json of Qwen/Qwen3-30B-A3B-Base (the fields dapo reads)
@@ -23,16 +21,13 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu"}  # fmt: skip
 
 
-def sbatch_parallel() -> list[str]:
-    text = (REPO / "slurm" / "dapo_qwen3_30b_a3b.sbatch").read_text()
-    return re.search(r"^PARALLEL=\(([^)]*)\)", text, re.M).group(1).split()
-
-
 def test_the_recipe_is_dapo_on_qwen3_30b_a3b_with_replay_on():
     cfg = load_config("dapo_qwen3_30b_a3b")
     assert cfg.model.arch == "qwen3-30b-a3b" and cfg.rollout.routing_replay is None and cfg.parallel.cp == 1
     assert cfg.algo.eps_high == 0.28 and cfg.algo.dynamic_sampling  # the paper's DAPO settings (dapo_32b)
-    assert load_config("dapo_qwen3_30b_a3b", sbatch_parallel()).parallel == cfg.parallel
+    p = cfg.parallel  # the layout the sbatch submits (the planner's: TP4 x PP8, no EP, full recompute, FP8)
+    assert (p.tp, p.pp, p.cp, p.ep, cfg.model.recompute, cfg.model.fp8) == (4, 8, 1, 1, "full", "e4m3")
+    assert (cfg.rollout.sglang_tp, cfg.rollout.mem_fraction) == (4, 0.62)
 
 
 @pytest.mark.timeout(120)
@@ -40,7 +35,7 @@ def test_dry_run_fits_and_every_server_returns_its_routes(tmp_path):
     hf = tmp_path / "Qwen3-30B-A3B-Base"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    args = ["--recipe", "dapo_qwen3_30b_a3b", "--dry-run", "--nodes", "4", f"model.hf_init={hf}", *sbatch_parallel()]
+    args = ["--recipe", "dapo_qwen3_30b_a3b", "--dry-run", "--nodes", "4", f"model.hf_init={hf}"]
     out = dapo_launch(*args)
     assert out.returncode == 0, out.stderr
     servers = [line for line in out.stdout.splitlines() if "sglang.launch_server" in line]

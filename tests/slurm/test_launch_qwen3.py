@@ -1,5 +1,6 @@
 """Issue 27: `dapo launch --recipe dapo_qwen3_32b --dry-run --nodes 16 model.hf_init=DIR` (no Slurm needed) prints a
-layout predicted to fit, with the parallel sizes slurm/dapo_qwen3_32b.sbatch passes."""
+layout predicted to fit: the recipe's, which slurm/dapo_qwen3_32b.sbatch submits as it is (it passes no parallel
+sizes of its own: test_sbatch_inputs.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,6 @@ QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidd
              "intermediate_size": 25600, "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 64,
              "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
              "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False}  # fmt: skip
-
-
-def sbatch_parallel() -> list[str]:
-    """The PARALLEL=(...) overrides of slurm/dapo_qwen3_32b.sbatch."""
-    text = (REPO / "slurm" / "dapo_qwen3_32b.sbatch").read_text()
-    return re.search(r"^PARALLEL=\(([^)]*)\)", text, re.M).group(1).split()
 
 
 def dapo_launch(*args: str) -> subprocess.CompletedProcess:
@@ -48,11 +43,12 @@ def test_dapo_qwen3_32b_dry_run_prints_a_layout_predicted_to_fit(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "rollout engines: 32 SGLang servers, TP4 dp 1" in out.stdout and f"--model-path {hf}" in out.stdout
     assert re.search(r"train phase: .* GiB: fits", out.stdout) and re.search(r"rollout phase: .* GiB: fits", out.stdout)
-    for extra in ([], sbatch_parallel()):  # the recipe alone and with the sbatch's sizes (FP8, SP, distributed opt.)
-        js = json.loads(dapo_launch(*args, "--json", *extra).stdout)
-        phases = js["memory"]["phases"]
-        assert js["memory"]["fits"] and all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
-    assert "model.fp8=e4m3" in sbatch_parallel() and phases["train"]["peak_gib"] > 60  # the 32B's numbers, not 0.6B's
+    js = json.loads(dapo_launch(*args, "--json").stdout)  # the recipe's layout: FP8, SP, distributed optimizer
+    phases = js["memory"]["phases"]
+    assert js["memory"]["fits"] and all(ph["peak_gib"] < 80 * 0.95 for ph in phases.values()), phases
+    cfg = load_config("dapo_qwen3_32b")
+    assert cfg.model.fp8 == "e4m3" and cfg.parallel.sequence_parallel and cfg.parallel.distributed_optimizer
+    assert phases["train"]["peak_gib"] > 60  # the 32B's numbers, not 0.6B's
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ import torch
 from megatron_dapo.launch.slurm import expand_nodelist
 from tests.helpers import REPO, skip_unless_required
 from tests.slurm.conftest import HERE, SCRIPT, TEST_RECIPE_32B, free_port_base, process_running
+from tests.slurm.test_sbatch_inputs import make_inputs
 
 pytestmark = pytest.mark.slurm
 
@@ -95,8 +96,9 @@ def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
     # 32B on 2 nodes (DP 1) is predicted not to fit an 80 GiB GPU: the driver would refuse it; this checks the plan
     args = ["--dry-run", "--json", "cluster.memory_check=false"]
     args += [] if recipe_32b() == "dapo_32b" else ["--recipe", recipe_32b()]
+    inputs = make_inputs(tmp_path / "inputs")  # checked in the job before the driver starts
     job = local_slurm.submit("--nodes=2", f"--output={tmp_path}/out", f"--error={tmp_path}/err",
-                             "slurm/dapo_32b.sbatch", *args)  # fmt: skip
+                             "slurm/dapo_32b.sbatch", *args, env={**local_slurm.env, **inputs})  # fmt: skip
     state, code, _ = local_slurm.wait(job, 60)
     err = (tmp_path / "err").read_text()
     assert state == "COMPLETED", f"{state} {code}\n{err}"
@@ -112,7 +114,7 @@ def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
     assert [s["engine"]["base_gpu_id"] for s in servers] == [0, 4, 0, 4]
     for s in servers:
         cmd = " ".join(s["command"])
-        assert "-m sglang.launch_server --model-path /shared/models/Qwen2.5-32B" in cmd
+        assert f"-m sglang.launch_server --model-path {inputs['HF_CKPT']}" in cmd
         assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--mem-fraction-static 0.62" in cmd
         assert f"--base-gpu-id {s['engine']['base_gpu_id']}" in cmd
         assert "--enable-deterministic-inference" in cmd and "--enable-memory-saver" in cmd
