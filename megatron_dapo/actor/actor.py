@@ -344,6 +344,14 @@ class MegatronActor:
         """Per-sequence logprobs of the response tokens ([R] fp32 each), and entropies if asked; on every rank, or
         with ``owner`` only where ``_per_sequence`` sends them (None elsewhere). Logprobs are of the sampling
         distribution, softmax(logits / T) at the rollout temperature T (engine.py)."""
+        results = self.logprob_pass(seqs, with_entropy)
+        lp_out, ent_out = self._per_sequence(results, seqs, owner, with_entropy=with_entropy)
+        return (lp_out, ent_out) if with_entropy else lp_out
+
+    @torch.no_grad()
+    def logprob_pass(self, seqs: list[Sequence], with_entropy: bool) -> list[dict]:
+        """The forward-only pass of ``compute_logprobs``: per micro-batch of this rank, its positions' logprobs
+        (and entropies) on the last stage, before they are sent to the ranks that need them."""
         for m in self.model:
             m.eval()
 
@@ -351,9 +359,7 @@ class MegatronActor:
             lp, ent = self._token_logprobs(mb, model, hidden, with_entropy)
             return hidden.new_zeros(()), {"logprobs": lp, "entropy": ent, "mb": mb}
 
-        results = self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
-        lp_out, ent_out = self._per_sequence(results, seqs, owner, with_entropy=with_entropy)
-        return (lp_out, ent_out) if with_entropy else lp_out
+        return self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
 
     def _per_sequence(
         self, results: list[dict], seqs: list[Sequence], owner: list[int] | None = None, *, with_entropy: bool = True

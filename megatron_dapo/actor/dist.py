@@ -37,7 +37,9 @@ def init_distributed(parallel: ParallelConfig, timeout_s: float = 600.0) -> None
 
     apply_cpu_shims()
     rank, world, local_rank = env_rank_world()
-    if not dist.is_initialized():
+    if dist.is_initialized():  # a caller's group (the tests' torchrun groups, the rehearsal's fake one)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
         # A lone process (no torchrun/srun) rendezvouses on a free local port, without touching os.environ (which
         # child processes would inherit).
         init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"

@@ -20,8 +20,13 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
 
     from megatron_dapo.models.memory import GiB, actor_memory, fit_micro_batch_tokens
 
+    from megatron_dapo.actor.provider import rehearsing
+
     p = cfg.parallel
-    if torch.cuda.is_available():
+    if rehearsing():  # the GPU job's rank, on a CPU: the GPU it will run on
+        available = 0.9 * cfg.cluster.gpu_mem_gb * GiB
+        where = "of the recipe's GPU (cluster.gpu_mem_gb)"
+    elif torch.cuda.is_available():
         available = 0.9 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         where = "of the GPU"
     else:

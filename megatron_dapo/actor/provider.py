@@ -6,6 +6,7 @@ GPU with Transformer Engine importable: the TE layer spec (optional FP8, CP, seq
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -17,6 +18,27 @@ from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, check_divisible, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# While ``dapo rehearse`` runs a rank's step on a CPU: the block spec that stands in for the TE spec
+# (planning/te_standins.py block_spec(config, arch, use_moe_spec)); None everywhere else.
+_TE_STAND_IN = None
+
+
+@contextlib.contextmanager
+def te_stand_in(block_spec_fn):
+    """Within the block, the actor runs as on Transformer Engine (packed THD micro-batches, sequence parallelism, the
+    fused SwiGLU) with ``block_spec_fn``'s modules in TE's places (the rehearsal only)."""
+    global _TE_STAND_IN
+    saved, _TE_STAND_IN = _TE_STAND_IN, block_spec_fn
+    try:
+        yield
+    finally:
+        _TE_STAND_IN = saved
+
+
+def rehearsing() -> bool:
+    """Whether ``dapo rehearse`` runs this actor on a CPU in the GPU job's place (``te_stand_in``)."""
+    return _TE_STAND_IN is not None
 
 
 @functools.cache
@@ -42,6 +64,8 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     """Whether the actor uses the TE layer spec. ``transformer_engine`` without a usable TE is an error naming why;
     ``auto`` uses TE when it works, the local spec on a machine without CUDA, and refuses a GPU whose TE install is
     broken (that fallback would silently trade TE's varlen attention for dense [L, L] attention)."""
+    if _TE_STAND_IN is not None:
+        return True
     usable, why = transformer_engine_status()
     impl = model_cfg.transformer_impl
     if impl == "transformer_engine" and not usable:
@@ -61,6 +85,8 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
 def describe_spec(model_cfg: ModelConfig) -> str:
     """One line saying which layer spec the actor uses and why (printed once at start-up)."""
     usable, why = transformer_engine_status()
+    if _TE_STAND_IN is not None:
+        return "actor: the rehearsal's stand-ins for Transformer Engine (planning/te_standins.py), packed THD micro-batches"
     if use_transformer_engine(model_cfg):
         fp8 = f", FP8 {model_cfg.fp8} ({model_cfg.fp8_recipe})" if model_cfg.fp8 else ""
         return f"actor: Transformer Engine layer spec, packed THD micro-batches{fp8}"
@@ -144,7 +170,7 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not torch.cuda.is_available() and not rehearsing(),  # the rehearsal: as on GPU
         deallocate_pipeline_outputs=True,
         **kwargs,
     )
@@ -214,7 +240,9 @@ def build_model(
 
     check_parallel(parallel, model_cfg, arch, training)
     config = transformer_config(arch, model_cfg, parallel, routing_replay)
-    if arch.is_moe:  # per-layer specs: MoE layers and dense ones (megatron-core models/gpt/gpt_layer_specs.py)
+    if _TE_STAND_IN is not None:
+        spec = _TE_STAND_IN(config, arch, arch.is_moe)
+    elif arch.is_moe:  # per-layer specs: MoE layers and dense ones (megatron-core models/gpt/gpt_layer_specs.py)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine(model_cfg), normalization="RMSNorm")

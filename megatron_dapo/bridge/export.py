@@ -178,16 +178,24 @@ def _export_dense(params: list[Param], local: dict, arch: ArchConfig, dst: str) 
     by_name = {p.megatron: p for p in params}
     for s in range(1, pp):
         theirs = [p for p in params if p.megatron not in local and _stage_of(p, arch, pp) == s]
-        count = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(count, pp_ranks[s])
-        if int(count) != len(theirs):
-            raise RuntimeError(f"export: stage {s} sends {int(count)} parameters, expected {len(theirs)}")
-        codes = torch.zeros(len(theirs), dtype=torch.int64, device=device)
-        dist.recv(codes, pp_ranks[s])
-        for p, code in zip(theirs, codes.tolist()):
+        for p, code in zip(theirs, recv_manifest(s, len(theirs), pp_ranks[s], device)):
             buf = torch.empty(by_name[p.megatron].shape(), dtype=_DTYPE_CODES[code], device=device)
             dist.recv(buf, pp_ranks[s])
             yield from zip(p.hf, p.to_hf(buf))
+
+
+def recv_manifest(stage: int, expected: int, src: int, device) -> list[int]:
+    """The dtype codes of the parameters pipeline stage ``stage`` (global rank ``src``) is about to send to stage 0,
+    checked against the ``expected`` count."""
+    import torch.distributed as dist
+
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src)
+    if int(count) != expected:
+        raise RuntimeError(f"export: stage {stage} sends {int(count)} parameters, expected {expected}")
+    codes = torch.zeros(expected, dtype=torch.int64, device=device)
+    dist.recv(codes, src)
+    return codes.tolist()
 
 
 def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:

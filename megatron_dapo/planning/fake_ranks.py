@@ -56,9 +56,12 @@ class RankBuild:
 
 
 @contextlib.contextmanager
-def fake_rank(rank: int, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Iterator[None]:
+def fake_rank(
+    rank: int, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, gloo_groups: bool = False
+) -> Iterator[None]:
     """This process is ``rank`` of ``world`` until the block ends: a fake default group and megatron-core's model-
-    parallel groups over it. Nothing else may hold torch.distributed at the time."""
+    parallel groups over it (``gloo_groups``: its gloo groups too, which the distributed optimizer needs; the caller
+    makes them fake, ``rank_step.rehearsal_world``). Nothing else may hold torch.distributed at the time."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -73,7 +76,7 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1)
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=tp,  # expert TP = TP, as the actor (actor/distributed.py)
-            create_gloo_process_groups=False,
+            create_gloo_process_groups=gloo_groups,
         )
         yield
     finally:
