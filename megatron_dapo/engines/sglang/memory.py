@@ -2,7 +2,7 @@
 installed package, ``site-packages/sglang/``). Pure arithmetic: nothing here imports sglang;
 ``tests/unit/test_sglang_memory.py`` runs the cited sglang functions (with a mocked GPU) and compares.
 
-How one SGLang TP rank fills its GPU at start-up (``srt/managers/scheduler.py:1122-1131``: weights, then the KV pools;
+How one SGLang TP rank fills its GPU at start-up (``srt/managers/scheduler.py:1128-1146``: weights, then the KV pools;
 then the attention backends and the CUDA graphs):
 
 1. ``pre`` = the free memory when the server starts, before its weights load, the MIN over the TP ranks
