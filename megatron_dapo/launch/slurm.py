@@ -216,7 +216,7 @@ def sglang_server_command(
     cmd += ["--mem-fraction-static", str(r.mem_fraction)]
     cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
     if colocated and r.sglang_device == "cuda":  # torch_memory_saver: CUDA only (a CPU server frees nothing)
-        cmd.append("--enable-memory-saver")
+        cmd += ["--enable-memory-saver", *PLATFORMS["cuda"].memory_saver_args]
     return cmd
 
 

@@ -144,6 +144,7 @@ def activation_bytes_per_token(
     attn_seq_len: int = 0,
     gated: bool = True,
     dropout: bool = False,
+    unfused_rope: bool = True,
 ) -> float:
     """Bytes one layer keeps for the backward pass per token (16-bit activations, 1-byte dropout masks), before ÷TP.
 
@@ -152,6 +153,9 @@ def activation_bytes_per_token(
       attention:  QKV input 2h + Q,K,V 2(q + 2kv) + proj input 2q + dropout mask h   (their 11sbh for MHA)
                   + softmax 2as + its dropout mask as + dropout output 2as = 5as      (gone with flash attention)
       MLP:        fc1 input 2h + activation input 2f·(2 if gated) + fc2 input 2f + dropout mask h   (their 19sbh)
+      RoPE:       the actor runs megatron-core's unfused RoPE (``apply_rope_fusion`` off): the rotated q and k are
+                  kept once more, 2(q + kv), measured by ``dapo rehearse``'s step (its cos/sin tables per layer are
+                  not split by TP: ``rope_table_bytes_per_token``)
     With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
     scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Every family: gated (SwiGLU),
     no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
@@ -164,18 +168,57 @@ def activation_bytes_per_token(
     qk_norm = (
         2 * (q + kv) if arch.qk_layernorm else 0
     )  # qk_layernorm: the q/k RMSNorm inputs (TENorm keeps x and 1/rms)
+    # megatron-core's unfused RoPE (rope_utils.py:92-126, what the actor runs): q and k rotated, kept once more
+    rope = 2 * (q + kv) if unfused_rope else 0
     if recompute == "full":
         return 2 * h
     if recompute == "selective":
-        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm
+        return 4 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm + rope
     if recompute != "none":
         raise ValueError(f"recompute = {recompute!r}: must be one of {', '.join(RECOMPUTE)}")
     norms = 4 * h
-    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm
+    attention = 2 * h + 2 * (q + 2 * kv) + 2 * q + mask + qk_norm + rope
     if not flash:
         attention += 5 * arch.num_attention_heads * attn_seq_len
     mlp = 2 * h + 2 * f * (2 if gated else 1) + 2 * f + mask
     return norms + attention + mlp
+
+
+def rope_table_bytes_per_token(arch: ArchConfig) -> float:
+    """Per layer and token, not split by TP: the cos and sin tables megatron-core's unfused RoPE casts for q and for
+    k and keeps for the backward (rope_utils.py:122-125, ``t * cos_``, ``rotate_half(t) * sin_``), 16-bit."""
+    return 4 * arch.head_dim * BF16
+
+
+def backward_working_bytes(arch: ArchConfig, tokens: int, tp: int) -> float:
+    """What a layer's backward holds at once beyond the saved activations, for a micro-batch of ``tokens`` on one
+    GPU: the gradients of the fc1 output (gated: 2f) and of the SwiGLU's output (f), 16-bit, split over TP
+    (6f/TP B per token); with TP > 1, sequence parallelism's all-gather buffer of the layer's input (2h B per token,
+    megatron-core's global memory buffer, kept between layers). Measured by ``dapo rehearse``'s step."""
+    f = max(arch.ffn_hidden_size, arch.moe_topk * arch.moe_ffn_hidden_size if arch.is_moe else 0)
+    return tokens * (6.0 * f / tp + (2.0 * arch.hidden_size if tp > 1 else 0.0))
+
+
+def logits_bytes(chunk: int, vocab_per_gpu: int, tokens: int, hidden: int) -> float:
+    """The last stage's head in a training micro-batch (``actor/logprobs.py``: the logits formed ``chunk`` tokens at a
+    time and recomputed in backward): per chunk element the fp32 logits and their gradient with the 16-bit product,
+    6 B (measured by ``dapo rehearse``'s step), plus the final hidden states gathered from sequence parallelism and
+    their copy at the response positions (2 × tokens × h × 2 B)."""
+    return chunk * vocab_per_gpu * 6.0 + 2.0 * tokens * hidden * BF16
+
+
+def forward_pass_bytes(one_layer: float, chunk: int, vocab_per_gpu: int, tokens: int, hidden: int, tp: int,
+                       last: bool) -> float:  # fmt: skip
+    """A forward-only pass's peak over the resident state (the old-logprob pass): one layer's activations at a time
+    with the residual stream around it (the layer's input, its attention output and their sum: 3 × 2h B per token
+    ÷ TP) and sequence parallelism's gather buffer (2h B per token); on the last stage, once the layers are done,
+    the head instead: the gathered hidden states, their copy at the response positions and one more (3 × 2h), and
+    per chunk element 16 B (the 16-bit logits, their fp32 copy, the padded vocabulary masked on a copy, and the
+    entropy's shifted exponentials; ``actor/logprobs.py``). Measured by ``dapo rehearse``'s step."""
+    buffer = 2.0 * hidden * tokens if tp > 1 else 0.0
+    layers = one_layer + 3 * 2.0 * hidden * tokens / tp + buffer
+    head = buffer + 3 * 2.0 * hidden * tokens + chunk * vocab_per_gpu * 16.0
+    return max(layers, head) if last else layers
 
 
 def moe_layer_activation_delta(arch: ArchConfig, recompute: str, tp: int, imbalance: float = 1.0) -> float:

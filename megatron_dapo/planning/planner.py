@@ -17,8 +17,11 @@ prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough st
   we run sequence parallelism whenever TP > 1), × layers per stage, × micro-batches in flight: 1F1B keeps
   min(PP − stage, micro-batches) of them on a stage, so stage 0 holds the most. Full recompute keeps only each
   layer's input (2·h B/token) for the in-flight micro-batches, plus one layer's full activations while recomputing.
-- Logits (last stage): ``chunk`` tokens × padded_vocab/TP × 10 B (bf16 logits + fp32 log-softmax + fp32 grad), plus
-  the final hidden states gathered from sequence parallelism and their response-position copy (2 × tokens × h × 2 B).
+- Logits (last stage): ``chunk`` tokens × padded_vocab/TP × 6 B (``logits_bytes``: fp32 logits and their gradient,
+  the chunk recomputed in backward), plus the final hidden states gathered from sequence parallelism and their
+  response-position copy (2 × tokens × h × 2 B). The old-logprob pass: ``forward_pass_bytes``. A layer's backward
+  holds its gradients and SP's gather buffer beyond the saved activations (``backward_working_bytes``). Each term
+  is checked against torch's accounting of a real step on fake tensors by ``dapo rehearse`` (within 10%).
   This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
   ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
 - Colocated, three phases (``Plan.phases``, each must fit): *train* = the trainer's peak while SGLang has released
@@ -45,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.sglang.memory import fit_mem_fraction, gpu_total_gib, sglang_arch_terms
 from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
 from megatron_dapo.models.memory import (
     BF16,
@@ -53,15 +57,18 @@ from megatron_dapo.models.memory import (
     GiB,
     _check_split,
     activation_bytes_per_token,
+    backward_working_bytes,
+    forward_pass_bytes,
+    logits_bytes,
     active_gemm_params,
     count_params,
     expert_params,
     moe_dispatch_bytes,
     moe_layer_activation_delta,
     rollout_phase,
+    rope_table_bytes_per_token,
     stage_gemm_params,
     startup_phase,
-    total_params,
     train_phase,
 )
 from megatron_dapo.planning.plans import Memory, Plan, PlanOptions, Rollout, rank_plans
@@ -89,27 +96,34 @@ class _Job:
 
 
 def _rollout(
-    job: _Job, share: float, trainer_resident: float, fixed_tp: int | None = None
+    job: _Job,
+    mem_fraction: float | None,
+    trainer_resident: float,
+    fixed_tp: int | None = None,
+    rooms: tuple[float, float] | None = None,
 ) -> tuple[Rollout, str | None]:
     """Pick (or, with ``fixed_tp``, check) the smallest SGLang TP whose weight shard uses ≤ ``rollout_weight_share`` of
-    the share and whose KV cache holds
-    ``min_rollout_seqs`` full-length sequences. KV bytes/token = 2 (K, V) · layers · kv_heads · head_dim · 2 B,
-    divided by min(TP, kv_heads) per GPU (KV heads are replicated beyond that)."""
+    its share and whose KV cache holds ``min_rollout_seqs`` full-length sequences. SGLang's bytes are its own terms
+    (``engines/sglang/memory.py``: weights, KV = mem_fraction × free memory at start − weights, request table, CUDA
+    graphs, runtime, activations); ``mem_fraction`` None: the largest that fits ``rooms`` (the bytes the start-up and
+    the rollout phase leave the engine)."""
     a = job.arch
-    weights_total = BF16 * total_params(a)
-    kv_per_token = 2 * a.num_layers * a.num_query_groups * a.head_dim * BF16
     best = None
     for tp in [fixed_tp] if fixed_tp else _powers_of_two(job.gpus_per_node):
-        weights = weights_total / tp
-        kv_tokens = int(max(share - weights, 0) / (kv_per_token / min(tp, a.num_query_groups)))
-        best = Rollout(job.opt.colocated, tp, share, share / job.gpu, weights, kv_tokens, trainer_resident)
-        if weights <= share * job.opt.rollout_weight_share and kv_tokens >= job.opt.min_rollout_seqs * job.max_seq:
+        mf = mem_fraction if mem_fraction is not None else fit_mem_fraction(a, tp, job.gpu, *rooms)
+        sg = sglang_arch_terms(a, tp, job.gpu, mf)
+        share = max(sg.weights + sg.kv_cache, 0.0)
+        best = Rollout(job.opt.colocated, tp, share, mf, sg.weights, sg.kv_tokens, trainer_resident, sglang=sg)
+        if (
+            sg.weights <= share * job.opt.rollout_weight_share
+            and sg.kv_tokens >= job.opt.min_rollout_seqs * job.max_seq
+        ):
             return best, None
     assert best is not None
     return best, (
-        f"SGLang does not fit: {share / GiB:.1f} GiB/GPU left for rollout; at TP{best.sglang_tp} its weights take "
-        f"{best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} tokens, fewer than "
-        f"{job.opt.min_rollout_seqs} × {job.max_seq} (min_rollout_seqs × max sequence)"
+        f"SGLang does not fit: mem_fraction {best.mem_fraction:.2f} leaves it {best.share / GiB:.1f} GiB/GPU; at "
+        f"TP{best.sglang_tp} its weights take {best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} "
+        f"tokens, fewer than {job.opt.min_rollout_seqs} × {job.max_seq} (min_rollout_seqs × max sequence)"
     )
 
 
@@ -144,8 +158,8 @@ def _make_job(model, max_prompt, max_response, nodes, gpus_per_node, gpu_mem_gb,
         max_seq=max_seq,
         world=world,
         gpus_per_node=gpus_per_node,
-        gpu=gpu_mem_gb * GiB,
-        usable=opt.usable_fraction * gpu_mem_gb * GiB,
+        gpu=gpu_total_gib(gpu_mem_gb) * GiB,  # an "80 GB" H100 has 79.65 GiB
+        usable=opt.usable_fraction * gpu_total_gib(gpu_mem_gb) * GiB,
         mean_seq=mean_seq,
         step_tokens=opt.batch_prompts * opt.group_size * mean_seq,
         updates=opt.batch_prompts // opt.mini_batch_prompts,
@@ -252,12 +266,17 @@ def _evaluate(
     vocab = padded_vocab_size(arch.vocab_size, tp)
     tok_gpu = mb_tokens // cp
     m_update = max(math.ceil(job.step_tokens / job.updates / dp / (mb_tokens * 0.97)), 1)  # ~3% packing loss
-    per_layer = activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
+    rope = rope_table_bytes_per_token(arch) if recompute != "full" else 0.0  # not split by TP
+    per_layer = (activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) / tp + rope) * tok_gpu
     per_moe_layer = per_layer + moe_layer_activation_delta(arch, recompute, tp, o.moe_imbalance) * tok_gpu
     dispatch = moe_dispatch_bytes(arch, tok_gpu, o.moe_imbalance)  # the running MoE layer's alltoall buffers
-    working = 0.0
+    one_layer = (
+        activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens) / tp
+        + rope_table_bytes_per_token(arch)
+    ) * tok_gpu
+    working = backward_working_bytes(arch, tok_gpu, tp)  # a layer's backward: its gradients, SP's gather buffer
     if recompute == "full":  # one layer's activations while it is recomputed
-        working = activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens) * tok_gpu / tp
+        working += one_layer
     chunk = min(o.logprob_chunk_tokens, tok_gpu) if o.logprob_chunk_tokens > 0 else tok_gpu
     if not o.colocated:
         rollout_held = 0.0
@@ -282,7 +301,8 @@ def _evaluate(
                 # the distributed optimizer shards dense weights over DP·CP, experts over their DP·CP/EP replicas
                 optimizer=12.0 * ((p - experts) / (dp * cp) + experts / (dp * cp // ep)) if distopt else 12.0 * p,
                 activations=min(pp - s, m_update) * stage_layers + working + (dispatch if moe_layers else 0.0),
-                logits=chunk * vocab / tp * 10.0 + 2 * tok_gpu * h * BF16 if last else 0.0,
+                logits=logits_bytes(chunk, vocab // tp, tok_gpu, h) if last else 0.0,
+                forward_pass=forward_pass_bytes(one_layer, chunk, vocab // tp, tok_gpu, h, tp, last),
                 rollout=rollout_held,
                 overhead=overhead,
                 expert_params=experts,
@@ -295,17 +315,11 @@ def _evaluate(
     kept = max(stages, key=lambda st: st.weights + st.fp8_cache if o.offload_train_state else st.resident)
     resident = (kept.weights + kept.fp8_cache if o.offload_train_state else kept.resident) if o.colocated else 0.0
     if o.colocated:
-        # unset: what the trainer leaves at start-up, when its whole resident state is on the GPU beside the engine
-        startup_resident = max(st.resident for st in stages)
-        graphs = o.cuda_graph_gb * GiB
-        share = (
-            o.rollout_mem_fraction * job.gpu
-            if o.rollout_mem_fraction is not None
-            else job.usable - max(resident, startup_resident) - overhead - graphs
-        )
+        # unset: the largest that fits beside the trainer's whole state at start-up and its weights while generating
+        rooms = (job.usable - max(st.resident for st in stages) - overhead, job.usable - resident - overhead)
+        rollout, why = _rollout(job, o.rollout_mem_fraction, resident, sglang_tp, rooms)
     else:
-        share = (o.rollout_mem_fraction or 0.85) * job.gpu
-    rollout, why = _rollout(job, max(share, 0.0), resident, sglang_tp)
+        rollout, why = _rollout(job, o.rollout_mem_fraction or 0.85, resident, sglang_tp)
     phases = []
     if o.colocated:
         opt_div = dp * cp if distopt else 1
@@ -316,14 +330,14 @@ def _evaluate(
         ]
         if not phases[2].fits:
             reasons.append(
-                f"start-up phase: the trainer's weights, grads and optimizer states + SGLang's mem_fraction "
-                f"{rollout.mem_fraction:.2f} and CUDA graphs = {phases[2].total / GiB:.1f} > {job.usable / GiB:.1f} GiB "
+                f"start-up phase: the trainer's weights, grads and optimizer states + SGLang at mem_fraction "
+                f"{rollout.mem_fraction:.2f} = {phases[2].total / GiB:.1f} > {job.usable / GiB:.1f} GiB "
                 "usable before the engines first release their memory (lower rollout.mem_fraction)"
             )
         if not phases[1].fits:
             reasons.append(
                 f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
-                f"{share / GiB:.1f} GiB = {phases[1].total / GiB:.1f} > {job.usable / GiB:.1f} GiB usable (lower the "
+                f"{rollout.sglang.rollout / GiB:.1f} GiB = {phases[1].total / GiB:.1f} > {job.usable / GiB:.1f} GiB usable (lower the "
                 "SGLang mem_fraction or offload the train state)"
             )
     if why:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_dapo.engines.sglang.memory import SGLangMemory
 from megatron_dapo.models.memory import RECOMPUTE, GiB, PhaseMemory
 
 
@@ -33,6 +34,7 @@ class Memory:
     rollout: float
     overhead: float
     expert_params: int = 0  # of params, the MoE experts (sharded by the distributed optimizer over DP·CP/EP)
+    forward_pass: float = 0.0  # the logprob pass's peak over the resident state (one layer at a time, the logits)
 
     @property
     def total(self) -> float:
@@ -55,6 +57,7 @@ class Rollout:
     weights: float  # bytes per GPU
     kv_tokens: int  # per engine
     trainer_resident: float  # bytes the trainer keeps on the GPU during rollout
+    sglang: SGLangMemory | None = None  # SGLang's own terms (engines/sglang/memory.py)
 
 
 @dataclass
@@ -188,7 +191,9 @@ class PlanOptions:
     rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85
     rollout_release: bool = True  # colocated SGLang releases weights + KV cache while the actor trains
     rollout_residual_gb: float = 2.0  # what a released SGLang still holds (CUDA context, allocator, what it keeps)
-    cuda_graph_gb: float = 2.0  # SGLang's captured CUDA graphs, outside its mem_fraction (held while not released)
+    # SGLang's CUDA graphs: the rehearsal's; the planner takes SGLang's own estimate (engines/sglang/memory.py:
+    # 2 MB × cuda_graph_max_bs, 512 at TP >= 4 on an H100)
+    cuda_graph_gb: float = 1.0
     offload_train_state: bool = True  # colocated: grads + optimizer states on the host during rollout (weights stay)
     min_rollout_seqs: int = 16  # full-length sequences an SGLang engine's KV cache must hold
     # an engine's weights may take at most this share of its memory (the rest: KV cache, SGLang's activations)
@@ -198,7 +203,7 @@ class PlanOptions:
     mini_batch_prompts: int = 32  # prompts per optimizer update
     mean_seq_len: float | None = None  # prompt + response, for the time estimate; default a quarter of the maximum
     logprob_chunk_tokens: int = 1024  # 0 = the actor materializes the logits of a whole micro-batch
-    overhead_gb: float = 5.0
+    overhead_gb: float = 5.0  # the trainer's CUDA context, NCCL, fragmentation (SGLang's: engines/sglang/memory.py)
     usable_fraction: float = 0.95  # a plan must fit in this fraction of the GPU
     fp8_options: tuple[bool, ...] = (False, True)
     flash: bool = True  # fused / flash attention (always with TE; CP needs it)

@@ -40,13 +40,20 @@ class RankStep:
     """Bytes on one GPU of one rank, measured: what is alive after each phase, and the peak inside it."""
 
     rank: int
+    params: int = 0  # parameters the step's model holds
     after: dict[str, int] = field(default_factory=dict)  # phase -> bytes alive when it ended
     peak: dict[str, int] = field(default_factory=dict)  # phase -> the most bytes alive during it
     parts: dict[str, int] = field(default_factory=dict)  # resident state by kind, from the live objects
     micro_batches: int = 0
     micro_batch_tokens: int = 0
     exported_tensors: int = 0
+    unmapped: list[str] = field(default_factory=list)  # built parameters the bridge's table does not name
+    unbuilt: list[str] = field(default_factory=list)  # the table's parameters of this stage megatron-core did not build
     seconds: float = 0.0
+
+    def transient(self, phase: str) -> int:
+        """What ``phase`` adds at its peak to the resident state (weights, grads, optimizer after the warm-up)."""
+        return self.peak[phase] - self.after["warmup"]
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -229,13 +236,15 @@ def step_config(cfg: DapoConfig) -> DapoConfig:
     return dataclasses.replace(cfg, model=model, rollout=dataclasses.replace(cfg.rollout, routing_replay=False))
 
 
-def _sequences(cfg: DapoConfig, count: int, vocab: int):
-    """``count`` sequences of the recipe's longest length (the longest prompt, the longest response), each filling a
-    micro-batch: real token ids, advantages, π_old and rollout logprobs."""
+def _sequences(cfg: DapoConfig, count: int, vocab: int, length: int = 0):
+    """``count`` sequences of the recipe's longest length (the longest prompt, the longest response; each fills a
+    micro-batch) or of ``length`` tokens: real token ids, advantages, π_old and rollout logprobs."""
     from megatron_dapo.types import Sequence
 
-    prompt = cfg.data.max_prompt_len
-    length = min(prompt + cfg.rollout.sampling.max_new_tokens, cfg.parallel.max_tokens_per_micro_batch or 1 << 62)
+    prompt = cfg.data.max_prompt_len if not length else length // 2
+    length = length or min(
+        prompt + cfg.rollout.sampling.max_new_tokens, cfg.parallel.max_tokens_per_micro_batch or 1 << 62
+    )
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(count):
@@ -278,6 +287,23 @@ def _resident_parts(actor) -> dict[str, int]:
     return {"weights": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
 
 
+def _mapping_gaps(actor, arch) -> tuple[list[str], list[str]]:
+    """The bridge's table against the parameters megatron-core built on this rank: built but unnamed, and named for
+    this pipeline stage but not built (``bridge/export.py``: stage 0 would wait for a tensor no stage sends)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.bridge.export import _stage_of, export_order, local_parameters
+
+    local = local_parameters(actor.model, arch)
+    table = export_order(arch)
+    stage, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    named = {p.megatron for p in table}
+    mine = {p.megatron for p in table if _stage_of(p, arch, pp) == stage}
+    if arch.is_moe:  # this EP rank builds its own experts only
+        mine = {n for n in mine if n in local or ".mlp.experts." not in n}
+    return sorted(set(local) - named), sorted(mine - set(local))
+
+
 def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
     """Inside ``rehearsal_world``: build the actor, one update, the optimizer step, the logprob pass and the export,
     each a phase of the returned ``RankStep`` (``progress(phase)`` as each starts)."""
@@ -300,6 +326,12 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
         tell("build")
         with tracker.phase("build", out), fake:  # every tensor the actor makes is fake; the data below is real
             actor = MegatronActor(cfg, arch)
+        out.unmapped, out.unbuilt = _mapping_gaps(actor, arch)
+        out.params = sum(p.numel() for m in actor.model for p in m.module.parameters())
+        # Adam's moments exist from the first update on: a short update first, so the measured one is a steady step
+        tell("warmup")
+        with tracker.phase("warmup", out):
+            actor.update_mini_batch(_sequences(cfg, actor.dp_size, arch.vocab_size, 64), StepTally(0.0), False)
         seqs = _sequences(cfg, actor.dp_size * max(cfg.parallel.pp, 1), arch.vocab_size)
         out.micro_batch_tokens = actor.micro_batch_tokens
         tell("train")
@@ -319,3 +351,64 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
         del actor
     out.seconds = time.monotonic() - t0
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One process per rank (a process is one fake rank at a time; megatron-core's state is global)
+
+
+def run_steps(cfg: DapoConfig, ranks: list[int], world: int, jobs: int = 2, progress=None, timeout_s: float = 3600):
+    """``run_rank_step`` for each of ``ranks`` in a process of its own, ``jobs`` at a time: {rank: RankStep}.
+    ``progress(done, total)`` as each ends. A rank that fails raises, naming it, with the end of its log."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_dapo.config.run_config import save_config
+
+    with tempfile.TemporaryDirectory(prefix="dapo-rehearse-") as tmp:
+        path = os.path.join(tmp, "config.yaml")
+        save_config(cfg, path)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)  # the step's world is the fake one
+
+        def one(rank: int) -> RankStep:
+            cmd = [sys.executable, "-m", "megatron_dapo.planning.rank_step", path, str(rank), str(world)]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+            if done.returncode != 0:
+                tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+                raise RuntimeError(f"rehearsal step of rank {rank} failed (exit {done.returncode}):\n{tail}")
+            return RankStep(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+        out: dict[int, RankStep] = {}
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for rank, step in zip(ranks, pool.map(one, ranks)):
+                out[rank] = step
+                if progress is not None:
+                    progress(len(out), len(ranks))
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m megatron_dapo.planning.rank_step CONFIG.yaml RANK WORLD: one JSON line, the RankStep."""
+    import json
+    import sys
+
+    from megatron_dapo.actor.cpu import apply_cpu_shims
+    from megatron_dapo.config.run_config import load_config
+
+    path, rank, world = (argv if argv is not None else sys.argv[1:])[:3]
+    cfg = load_config(path, [])
+    apply_cpu_shims()
+    with rehearsal_world(int(rank), int(world), cfg):
+        step = run_rank_step(cfg)
+    print(json.dumps(step.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

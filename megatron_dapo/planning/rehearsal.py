@@ -36,6 +36,7 @@ from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_pa
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
 
 MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
+STEP_MARGIN = 0.10  # a term measured by the step (torch's accounting) and the memory model: within 10%
 PHASES = ("startup", "rollout", "sync", "old_logprobs", "train", "export")
 
 
@@ -45,11 +46,15 @@ class Term:
     rehearsed: float  # bytes, from the built ranks / the bridge / the config
     model: float | None  # bytes the memory model predicts; None where it has no such term
     why: str = ""
+    margin: float = MARGIN  # STEP_MARGIN where ``rehearsed`` was measured by the step
+    bound: bool = False  # ``model`` is an upper bound (``export_plan``'s worst tensor order): only exceeding it fails
 
     def disagrees(self) -> bool:
         if self.model is None:
             return False
-        return abs(self.rehearsed - self.model) > MARGIN * max(abs(self.model), abs(self.rehearsed), 1.0)
+        if self.bound:
+            return self.rehearsed > self.model * (1 + self.margin)
+        return abs(self.rehearsed - self.model) > self.margin * max(abs(self.model), abs(self.rehearsed), 1.0)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Rehearsal:
     failures: list[str]
     seconds: float
     layout_label: str
+    steps: dict = field(default_factory=dict)  # rank -> rank_step.RankStep, where the step ran (``step=True``)
 
     @property
     def ok(self) -> bool:
@@ -150,8 +156,9 @@ def _role(rank: int, placement) -> str:
     return "sender" if routes else "trainer"
 
 
-def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[PhaseRow]:
-    """Each phase's terms on one GPU of ``cls``: built-model bytes beside the memory model's (``layout``: plan.Plan)."""
+def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) -> list[PhaseRow]:
+    """Each phase's terms on one GPU of ``cls``: built-model bytes beside the memory model's (``layout``: plan.Plan);
+    with ``step`` (its stage's ``rank_step.RankStep``), the trainer's terms as the step measured them."""
     b, o, r = cls.build, layout.options, layout.rollout
     stage = next(m for m in layout.stages if m.stage == b.pp)  # evaluate_layout models every stage
     colocated = cfg.cluster.placement == "colocated"
@@ -177,18 +184,25 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
     acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
     logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
     overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
-    graphs = Term("SGLang CUDA graphs", o.cuda_graph_gb * GiB, o.cuda_graph_gb * GiB, "outside mem_fraction")
     released = Term("SGLang (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
+    sg = r.sglang  # SGLang's own sizing (engines/sglang/memory.py, each term cited from SGLang's code)
     engine_weights = Term(
-        "SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, r.weights, f"HF model / TP{cfg.rollout.sglang_tp}"
+        "SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, sg.weights, f"HF model / TP{cfg.rollout.sglang_tp}"
     )
-    share = cfg.rollout.mem_fraction * cfg.cluster.gpu_mem_gb * GiB
-    kv = Term("SGLang KV cache", share - engine_weights.rehearsed, r.share - r.weights, "mem_fraction − weights")
+    kv = Term("SGLang KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens")
+    others = sg.startup - sg.weights - sg.kv_cache
+    graphs = Term("SGLang outside mem_fraction", others, others, "request table, CUDA graphs, runtime (SGLang's)")
+    prefill = Term("SGLang activations", sg.activations, sg.activations, "SGLang's reserve for a prefill chunk")
     bucket = Term("sync bucket + flat copy", 2.0 * sync.largest, None, "largest bucket and its flattened copy")
     ex = sync.export
     in_flight = ex.rank0_device_bytes if cls.role == "driver" else ex.other_device_bytes
     export = Term("export in flight", float(in_flight), None, "a bucket + the parameter being gathered (export_plan)")
     gather = Term("old-logprob gather", float(sync.gather.device), None, "on the host over gloo (actor/gather.py)")
+    logprob_pass = Term("logprob pass", stage.logits, stage.logits, "memory model")
+    if step is not None:  # the trainer's terms as torch's accounting saw them in the step (rank_step.py)
+        weights, grads, optim, acts, logits, logprob_pass, export = _measured_terms(
+            step, stage, weights, grads, optim, export, fp8
+        )
     zero = lambda name, why: Term(name, 0.0, 0.0, why)  # noqa: E731
     off_grads, off_optim = zero("trainer grads", "on the host"), zero("trainer optimizer", "on the host")
     if not colocated:  # the engines live on other nodes: the trainer's GPU holds the trainer only
@@ -197,25 +211,65 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan) -> list[Pha
             PhaseRow("startup", [weights, grads, optim, overhead]),
             PhaseRow("train", train),
             PhaseRow("sync", [weights, grads, optim, bucket, overhead]),
-            PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, overhead]),
+            PhaseRow("old_logprobs", [weights, grads, optim, logprob_pass, gather, overhead]),
             PhaseRow("export", [weights, grads, optim, export, overhead]),
         ]
     return [
         PhaseRow("startup", [weights, grads, optim, engine_weights, kv, graphs, overhead]),
-        PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, overhead]),
+        PhaseRow("rollout", [weights, off_grads, off_optim, engine_weights, kv, graphs, prefill, overhead]),
         # the KV cache and graphs come back after the sync (loop/phases.py AFTER_SYNC)
         PhaseRow("sync", [weights, off_grads, off_optim, engine_weights, bucket, overhead]),
-        PhaseRow("old_logprobs", [weights, grads, optim, logits, gather, released, overhead]),
+        PhaseRow("old_logprobs", [weights, grads, optim, logprob_pass, gather, released, overhead]),
         PhaseRow("train", [weights, grads, optim, acts, logits, released, overhead]),
         # the run's last step evaluates (the engines resume their KV cache and graphs) before it saves and exports
         PhaseRow("export", [weights, off_grads, off_optim, engine_weights, kv, graphs, export, overhead]),
     ]
 
 
+def _measured_terms(step, stage, weights: Term, grads: Term, optim: Term, export: Term, fp8: float):
+    """The trainer's terms from a ``rank_step.RankStep``: the resident state read from the live objects after the
+    step, and each phase's peak over it, beside the memory model (``STEP_MARGIN``)."""
+    def measured(name: str, value: float, model: float, why: str) -> Term:
+        return Term(name, float(value), model, "measured: " + why, STEP_MARGIN)
+
+    tokens = f"{step.micro_batches} micro-batches of {step.micro_batch_tokens:,} tokens"
+    return (
+        measured("trainer weights", step.parts["weights"] + fp8, weights.model, "parameters" + (" + FP8 (model)" if fp8 else "")),
+        measured("trainer grads", step.parts["grads"], grads.model, "DDP's grad buffers"),
+        measured("trainer optimizer", step.parts["optimizer"], optim.model, "fp32 master + Adam moments, this shard"),
+        measured("trainer activations + logits", step.transient("train"), stage.activations + stage.logits,
+                 f"the update's peak over the resident state ({tokens})"),
+        Term("trainer logits", 0.0, 0.0, "in the term above"),
+        measured("logprob pass", step.transient("old_logprobs"), stage.forward_pass,
+                 "the forward-only pass's peak over the resident state"),
+        dataclasses.replace(
+            measured("export in flight", step.transient("export"), export.rehearsed,
+                     "the export's peak over the resident state; model: export_plan's bound"), bound=True),
+    )  # fmt: skip
+
+
+def step_ranks(builds) -> list[int]:
+    """The ranks whose step stands for their stage: global rank 0 (the export's receiver) and the first rank of every
+    later stage (its sender). The other ranks of a stage hold the same parameters, train the same micro-batches and
+    send less in the export."""
+    first: dict[int, int] = {}
+    for b in builds:
+        first.setdefault(b.pp, b.rank)
+    return sorted(first.values())
+
+
 def rehearse(
-    cfg: DapoConfig, nodes: int, gpus_per_node: int, recipe: str = "", progress=None, every_rank: bool = False
+    cfg: DapoConfig,
+    nodes: int,
+    gpus_per_node: int,
+    recipe: str = "",
+    progress=None,
+    every_rank: bool = False,
+    step: bool = False,
+    jobs: int = 2,
 ) -> Rehearsal:
-    """Build every rank of ``cfg``'s layout on ``nodes × gpus_per_node`` GPUs and check it (module docstring)."""
+    """Build every rank of ``cfg``'s layout on ``nodes × gpus_per_node`` GPUs and check it (module docstring); with
+    ``step``, one rank per pipeline stage also trains once on fake tensors (``rank_step.py``, ``jobs`` at a time)."""
     from megatron_dapo.launch.layout import layout_memory
     from megatron_dapo.launch.placement import PlacementError, make_placement
 
@@ -267,9 +321,16 @@ def rehearse(
                 f"rank {b.rank}: {b.params:,} parameters, rank {cls.ranks[0]} of its class {cls.build.params:,}"
             )
         cls.ranks.append(b.rank)
+    steps = {}
+    if step:
+        from megatron_dapo.planning.rank_step import run_steps
+
+        steps = run_steps(cfg, step_ranks(builds), placement.world, jobs, getattr(progress, "steps", None))
+        failures += _step_failures(steps, builds, arch)
+    by_stage = {next(b.pp for b in builds if b.rank == rank): st for rank, st in steps.items()}
     usable = layout.usable_gb * GiB
     for cls in sorted(classes.values(), key=lambda c: (c.stage, c.role)):
-        cls.phases = _phases(cls, cfg, layout, sync)
+        cls.phases = _phases(cls, cfg, layout, sync, by_stage.get(cls.stage))
         for ph in cls.phases:
             if ph.rehearsed > usable:
                 top = max(ph.terms, key=lambda t: t.rehearsed)
@@ -279,9 +340,10 @@ def rehearse(
                 )
             for t in ph.terms:
                 if t.disagrees():
+                    how = "measured" if t.margin == STEP_MARGIN else "built"
                     failures.append(
-                        f"{cls.label}: {ph.phase} phase, {t.name}: built {t.rehearsed / GiB:.3f} GiB, "
-                        f"memory model {t.model / GiB:.3f} GiB (margin {MARGIN:.0%})"
+                        f"{cls.label}: {ph.phase} phase, {t.name}: {how} {t.rehearsed / GiB:.3f} GiB, "
+                        f"memory model {t.model / GiB:.3f} GiB (margin {t.margin:.0%})"
                     )
     return Rehearsal(
         recipe,
@@ -294,7 +356,25 @@ def rehearse(
         failures,
         time.monotonic() - t0,
         layout.label(),
+        steps,
     )
+
+
+def _step_failures(steps: dict, builds, arch) -> list[str]:
+    """What a step found that the build did not: the bridge's table against the parameters megatron-core built (the
+    export would wait for a tensor no stage sends, or never send one), and the step's parameters."""
+    out = []
+    for rank, st in steps.items():
+        b = next(b for b in builds if b.rank == rank)
+        if st.unmapped:
+            out.append(f"rank {rank} (PP stage {b.pp}): {len(st.unmapped)} built parameters the bridge does not "
+                       f"map, e.g. {st.unmapped[0]}")  # fmt: skip
+        if st.unbuilt:
+            out.append(f"rank {rank} (PP stage {b.pp}): the bridge maps {len(st.unbuilt)} parameters megatron-core "
+                       f"did not build, e.g. {st.unbuilt[0]}")  # fmt: skip
+        if st.params != b.params:
+            out.append(f"rank {rank}: the step built {st.params:,} parameters, the meta build {b.params:,}")
+    return out
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -324,6 +404,14 @@ def render(result: Rehearsal) -> str:
         f"on rank 0, {g.share / gib:.2f} GiB on the others (all_gather_object on the default group held "
         f"{g.replaced_device / gib:.1f} GiB on every GPU)"
     )
+    if result.steps:
+        st = next(iter(result.steps.values()))
+        lines.append(
+            f"step: ranks {sorted(result.steps)} (one per pipeline stage) each trained once on fake tensors: "
+            f"{st.micro_batches} micro-batches of {st.micro_batch_tokens:,} tokens through megatron-core's schedule, "
+            f"the optimizer step, the logprob pass and the export; memory measured by torch's MemTracker "
+            f"({max(s.seconds for s in result.steps.values()):.0f} s per rank)"
+        )
     lines.append("")
     lines.append("| rank class | ranks | params per rank | " + " | ".join(PHASES) + " |")
     lines.append("|---|---|---:|" + "---:|" * len(PHASES))
@@ -331,8 +419,9 @@ def render(result: Rehearsal) -> str:
         by = {ph.phase: ph for ph in cls.phases}
         cells = [f"{by[ph].rehearsed / gib:.1f} / {by[ph].model / gib:.1f}" if ph in by else "-" for ph in PHASES]
         lines.append(f"| {cls.label} | {_ranks_text(cls.ranks)} | {cls.build.params:,} | " + " | ".join(cells) + " |")
+    side = "built (the trainer's terms measured by the step)" if result.steps else "built"
     lines.append(
-        f"\nGiB per GPU, built / memory model; usable {result.usable / gib:.1f} GiB. Terms of the heaviest phase "
+        f"\nGiB per GPU, {side} / memory model; usable {result.usable / gib:.1f} GiB. Terms of the heaviest phase "
         "of each class:"
     )
     for cls in result.classes:
@@ -353,6 +442,7 @@ def as_dict(result: Rehearsal) -> dict:
         "ok": result.ok,
         "failures": result.failures,
         "seconds": result.seconds,
+        "steps": {rank: st.as_dict() for rank, st in result.steps.items()},
         "sync": {
             "export": dataclasses.asdict(result.sync.export),
             "gather": dataclasses.asdict(result.sync.gather),
@@ -388,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, help="default: cluster.gpus_per_node")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument(
+        "--no-step",
+        action="store_true",
+        help="build and count only: no rank trains on fake tensors (seconds instead of minutes; memory from the model)",
+    )
+    ap.add_argument("--jobs", type=int, default=2, help="rank steps run at once, one process each (default 2)")
+    ap.add_argument(
         "--every-rank",
         action="store_true",
         help="build every rank's model (default: one per TP/CP/PP position, reused for its data-parallel replicas)",
@@ -398,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes = args.nodes or cfg.cluster.nodes
         gpus = args.gpus_per_node or cfg.cluster.gpus_per_node
         bar = None if args.json else _progress_bar()
-        result = rehearse(cfg, nodes, gpus, args.recipe, bar, args.every_rank)
+        result = rehearse(cfg, nodes, gpus, args.recipe, bar, args.every_rank, not args.no_step, args.jobs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -418,4 +514,8 @@ def _progress_bar():
             flush=True,
         )
 
+    def steps(done: int, total: int) -> None:
+        print(f"rank steps on fake tensors: {done}/{total} done", file=sys.stderr, flush=True)
+
+    show.steps = steps
     return show

@@ -100,7 +100,7 @@ class RMSNormStandIn(torch.nn.Module):
 # Specs
 
 
-def _swap(layer_spec):
+def _swap(layer_spec, qk_layernorm: bool):
     """A copy of a local-spec ``TransformerLayer`` spec with the stand-ins in TE's places."""
     spec = copy.deepcopy(layer_spec)
     sub = spec.submodules
@@ -108,9 +108,8 @@ def _swap(layer_spec):
     sub.pre_mlp_layernorm = RMSNormStandIn
     attn = sub.self_attention.submodules
     attn.core_attention = FlashAttentionStandIn
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name, None) is not None:
-            setattr(attn, name, RMSNormStandIn)
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = RMSNormStandIn
     return spec
 
 
@@ -123,8 +122,9 @@ def block_spec(config, arch, use_moe_spec: bool):
 
     if use_moe_spec:
         block = gpt_layer_specs.get_gpt_decoder_block_spec(config, False, normalization="RMSNorm")
-        layers = [_swap(s) for s in block.layer_specs]
+        layers = [_swap(s, arch.qk_layernorm) for s in block.layer_specs]
     else:
-        layer = _swap(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm))
+        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+        layer = _swap(local, arch.qk_layernorm)
         layers = [layer] * get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNormStandIn)

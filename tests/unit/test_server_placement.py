@@ -27,6 +27,34 @@ def _task_env(srun: list[str]) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in export.removeprefix("--export=").split(",")[1:])
 
 
+# SGLang's default prefill CUDA graphs (the breakable backend) refuse the memory saver with GRAPHS set: a colocated
+# CUDA server must turn them off (engines/sglang/server.py PLATFORMS["cuda"])
+PREFILL_GRAPHS_OFF = "--disable-prefill-cuda-graph"
+
+
+def test_sglang_takes_the_flag_and_its_breakable_prefill_graphs_refuse_the_memory_saver():
+    """The real package: the flag parses, and the backend it turns off raises under the memory saver (read from its
+    source: importing the backend needs torchvision and CUDA)."""
+    import argparse
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    if importlib.util.find_spec("sglang") is None:
+        if os.environ.get("DAPO_REQUIRE_SGLANG") == "1":
+            pytest.fail("sglang is not installed (DAPO_REQUIRE_SGLANG=1)")
+        pytest.skip("sglang is not installed")
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "m", PREFILL_GRAPHS_OFF]).disable_prefill_cuda_graph is True
+    root = Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "model_executor"
+    src = (root / "runner_backend" / "breakable_cuda_graph_backend.py").read_text()
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" in src and "not compatible with memory saver" in src
+    assert "return Backend.BREAKABLE if is_cuda()" in (root / "cuda_graph_config.py").read_text()
+
+
 def _plan(*overrides: str):
     opts = LaunchOptions(recipe=RECIPE_32B, overrides=[*SMALL, *overrides], nodes=2)
     return build_plan(opts, env={}, dry_run=True)
@@ -36,13 +64,14 @@ def test_colocated_slurm_servers_release_their_cuda_graphs():
     plan = _plan()
     assert plan.placement == "colocated" and plan.servers
     for s in plan.servers:
-        assert "--enable-memory-saver" in s.command
+        assert "--enable-memory-saver" in s.command and PREFILL_GRAPHS_OFF in s.command
         assert _task_env(s.srun)[GRAPHS] == "1", s.srun
     # disaggregated servers never sleep: neither the memory saver nor its variable
     plan = _plan("cluster.placement=disaggregated", "cluster.rollout_nodes=1", "rollout.colocate=false",
                  "rollout.weight_sync=distributed")  # fmt: skip
     for s in plan.servers:
         assert "--enable-memory-saver" not in s.command and GRAPHS not in _task_env(s.srun)
+        assert PREFILL_GRAPHS_OFF not in s.command
     # rollout.sglang_env still has the last word
     plan = _plan(f"rollout.sglang_env=[{GRAPHS}=0]")
     assert {_task_env(s.srun)[GRAPHS] for s in plan.servers} == {"0"}
@@ -60,6 +89,7 @@ def test_the_trainers_own_colocated_server_releases_its_cuda_graphs(tmp_path, mo
     monkeypatch.delenv(GRAPHS, raising=False)
     server = _local_server()  # the trainer's own start (no rollout.server_urls), colocated on CUDA
     assert "--enable-memory-saver" in server.argv() and server.env[GRAPHS] == "1"
+    assert PREFILL_GRAPHS_OFF in server.argv()
     # the process it starts gets it: a stand-in launcher prints what it sees
     server.launcher = [sys.executable, "-c", f"import os; print('graphs=' + os.environ.get('{GRAPHS}', 'unset'))"]
     server.log_path = tmp_path / "server.log"

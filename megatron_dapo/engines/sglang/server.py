@@ -57,6 +57,7 @@ class Platform:
     # handles CUDA tensors only: it breaks the pickling of CPU tensors)
     patch_ipc_reductions: bool = False
     memory_saver_env: tuple[tuple[str, str], ...] = ()  # also set for servers with --enable-memory-saver (colocated)
+    memory_saver_args: tuple[str, ...] = ()  # also passed to servers with --enable-memory-saver
 
 
 PLATFORMS = {
@@ -72,6 +73,11 @@ PLATFORMS = {
         # srt/model_executor/runner_backend/full_cuda_graph_backend.py:123, breakable_cuda_graph_backend.py:86,
         # cuda_graph_dedup_mixin.py:310, srt/distributed/parallel_state.py:1190). slime and verl set it too.
         memory_saver_env=(("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1"),),
+        # ...and then the prefill CUDA graphs must be off: on CUDA their default backend is the breakable one
+        # (srt/model_executor/cuda_graph_config.py:119-122), whose constructor raises NotImplementedError under the
+        # memory saver with that variable set (runner_backend/breakable_cuda_graph_backend.py:84-94), and SGLang's
+        # compatibility rules do not turn it off for that (srt/arg_groups/cuda_graph_hook.py:170-230)
+        memory_saver_args=("--disable-prefill-cuda-graph",),
     ),
     # The real SGLang 0.5.23 on a CPU (tests, demo_cpu_sglang). The server process also needs two import-only stand-ins
     # on its PYTHONPATH (rollout.sglang_pythonpath; see tests/sglang_cpu_support).
@@ -225,7 +231,7 @@ class SGLangServer:
         if self.dtype:
             args += ["--dtype", self.dtype]
         if self.memory_saver:
-            args.append("--enable-memory-saver")
+            args += ["--enable-memory-saver", *self.platform.memory_saver_args]
         return args + list(self.platform.server_args) + self.extra_args + ["--config", str(self.args_file)]
 
     def start(self) -> None:
