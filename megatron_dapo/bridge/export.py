@@ -245,17 +245,8 @@ def _export_experts(params: list[Param], local: dict, arch: ArchConfig, dst: str
 
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    me = (
-        dist.get_rank(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_expert_model_parallel_rank(),
-        ps.get_expert_tensor_parallel_rank(),
-        ps.get_expert_data_parallel_rank(),
-        ps.get_data_parallel_rank(with_context_parallel=True),
-        ps.get_tensor_model_parallel_rank(),
-    )
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, me)
+    me = expert_coordinates()
+    everyone = all_expert_coordinates(me)
     owner = {(s, e): g for g, s, e, etp, edp, _, _ in everyone if etp == 0 and edp == 0}
     first = {s: min(g for g, s2, *_, dp, tp in everyone if s2 == s and dp == 0 and tp == 0) for s in range(pp)}
     receiver = {s: first[0] if dst == "rank0" else first[s] for s in range(pp)}
@@ -280,6 +271,31 @@ def _export_experts(params: list[Param], local: dict, arch: ArchConfig, dst: str
                 full = torch.empty(p.shape(), dtype=dtype, device=device)
                 dist.recv(full, src)
             yield from zip(p.hf, p.to_hf(full))
+
+
+def expert_coordinates() -> tuple[int, ...]:
+    """This rank's (global, PP, EP, expert-TP, expert-DP, DP·CP, TP) ranks, from megatron-core's ``parallel_state``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return (
+        dist.get_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_data_parallel_rank(),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+        ps.get_tensor_model_parallel_rank(),
+    )
+
+
+def all_expert_coordinates(me: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every rank's ``expert_coordinates``, by global rank (an all-gather over the default group)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    return everyone
 
 
 def _stage_of(p: Param, arch: ArchConfig, pp: int) -> int:

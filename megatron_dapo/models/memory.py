@@ -144,7 +144,7 @@ def activation_bytes_per_token(
     attn_seq_len: int = 0,
     gated: bool = True,
     dropout: bool = False,
-    unfused_rope: bool = True,
+    rope_qk: bool = True,
 ) -> float:
     """Bytes one layer keeps for the backward pass per token (16-bit activations, 1-byte dropout masks), before ÷TP.
 
@@ -153,9 +153,10 @@ def activation_bytes_per_token(
       attention:  QKV input 2h + Q,K,V 2(q + 2kv) + proj input 2q + dropout mask h   (their 11sbh for MHA)
                   + softmax 2as + its dropout mask as + dropout output 2as = 5as      (gone with flash attention)
       MLP:        fc1 input 2h + activation input 2f·(2 if gated) + fc2 input 2f + dropout mask h   (their 19sbh)
-      RoPE:       the actor runs megatron-core's unfused RoPE (``apply_rope_fusion`` off): the rotated q and k are
-                  kept once more, 2(q + kv), measured by ``dapo rehearse``'s step (its cos/sin tables per layer are
-                  not split by TP: ``rope_table_bytes_per_token``)
+      RoPE:       (``rope_qk``) the rotated q and k are new tensors attention keeps, beside the fused QKV output
+                  that v's view keeps alive: 2(q + kv) more, measured by ``dapo rehearse``'s step; the unfused
+                  RoPE's cos/sin tables are not split by TP (``rope_table_bytes_per_token``). With qk_layernorm the
+                  norms add their fp32 1/rms only (their inputs are views of the QKV output)
     With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
     scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Every family: gated (SwiGLU),
     no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
@@ -165,11 +166,11 @@ def activation_bytes_per_token(
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
     mask = h if dropout else 0
-    qk_norm = (
-        2 * (q + kv) if arch.qk_layernorm else 0
-    )  # qk_layernorm: the q/k RMSNorm inputs (TENorm keeps x and 1/rms)
-    # megatron-core's unfused RoPE (rope_utils.py:92-126, what the actor runs): q and k rotated, kept once more
-    rope = 2 * (q + kv) if unfused_rope else 0
+    # qk_layernorm: the norms' inputs are the q and k parts of the fused QKV output (counted), their 1/rms fp32 per head
+    qk_norm = 4 * (arch.num_attention_heads + arch.num_query_groups) if arch.qk_layernorm else 0
+    # RoPE makes new q and k (megatron-core rope_utils.py:92-126), which attention keeps, while v, a view of the fused
+    # QKV output (attention.py get_query_key_value_tensors: torch.split), keeps that whole output alive
+    rope = 2 * (q + kv) if rope_qk else 0
     if recompute == "full":
         return 2 * h
     if recompute == "selective":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -57,6 +58,10 @@ class RankStep:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankStep:
+        return cls(**data)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -121,6 +126,10 @@ class _Tracker:
         result.peak[name] = max(self.total("peak"), result.after[name])
 
 
+def _refuse(me, want):
+    raise RuntimeError(f"rehearsal: this rank's expert coordinates {me} are not the ones computed for it, {want}")
+
+
 @contextlib.contextmanager
 def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     """This process is ``rank`` of ``world`` for the real actor: torch's fake process group, megatron-core's groups,
@@ -141,17 +150,24 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     - stage 0 of the export takes the manifest a later stage sends (how many tensors, their dtypes) as the one it
       expects (``bridge/export.py`` ``recv_manifest``); each stage's own side is checked against the mapping table
       where that stage is rehearsed;
+    - a mixture of experts: the export's all-gather of every rank's expert coordinates (``bridge/export.py``
+      ``all_expert_coordinates``: who owns which expert, who receives a stage's) gives each rank's own, which
+      megatron-core's ``parallel_state`` gave that rank (``fake_rank`` as each rank in turn, before this one's world);
     - MemTracker counts what runs under the fake mode: it skips ops under a fake mode other than the one active when
       it was entered (torch 2.13 distributed/_tools/mem_tracker.py:947, for DTensor's sharding propagation, which
       the actor does not use), and here the model is built under one;
     - ``torch.compile`` is off (megatron-core's fused SwiGLU is compiled on GPU; fake tensors run it eagerly);
-    - the TE stand-ins (``planning/te_standins.py``) in place of the TE spec.
+    - the TE stand-ins (``planning/te_standins.py``) in place of the TE spec;
+    - a mixture of experts: the alltoall dispatcher's token counts and ``permute``'s ``masked_select`` are data (how
+      many tokens each expert gets): a balanced dropless routing's counts stand in, the busiest expert-parallel rank
+      receiving ``PlanOptions.moe_imbalance`` × its share (``planning/moe_standins.py``, with megatron-core's lines).
     """
     import torch._dynamo
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensor
 
     from megatron_dapo.actor.provider import te_stand_in
+    from megatron_dapo.planning.moe_standins import moe_stand_ins
     from megatron_dapo.planning.te_standins import block_spec
 
     p = cfg.parallel
@@ -198,6 +214,14 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     saved[(export, "recv_manifest")] = export.recv_manifest
     code = export._DTYPE_CODES.index(DTYPES[cfg.model.dtype])
     export.recv_manifest = lambda stage, expected, src, device: [code] * expected
+    if load_arch(cfg.model.arch).is_moe:  # every rank's coordinates, each from megatron-core's parallel_state as that rank
+        everyone, hook = [], sys.excepthook  # (each init_process_group wraps sys.excepthook with its rank)
+        for r in range(world):
+            with fake_rank(r, world, p.tp, p.pp, p.cp, p.ep):
+                everyone.append(export.expert_coordinates())
+        sys.excepthook = hook
+        saved[(export, "all_expert_coordinates")] = export.all_expert_coordinates
+        export.all_expert_coordinates = lambda me: everyone if me == everyone[rank] else _refuse(me, everyone[rank])
 
     def new_group(*args, **kwargs):
         if kwargs.get("backend") == "gloo":
@@ -214,7 +238,7 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     compile_off = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
     try:
-        with fake_rank(rank, world, p.tp, p.pp, p.cp, p.ep, gloo_groups=True), te_stand_in(block_spec):
+        with fake_rank(rank, world, p.tp, p.pp, p.cp, p.ep, gloo_groups=True), te_stand_in(block_spec), moe_stand_ins():
             yield
     finally:
         torch._dynamo.config.disable = compile_off
@@ -382,7 +406,7 @@ def run_steps(cfg: DapoConfig, ranks: list[int], world: int, jobs: int = 2, prog
             if done.returncode != 0:
                 tail = "\n".join(done.stderr.strip().splitlines()[-15:])
                 raise RuntimeError(f"rehearsal step of rank {rank} failed (exit {done.returncode}):\n{tail}")
-            return RankStep(**json.loads(done.stdout.strip().splitlines()[-1]))
+            return RankStep.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
         out: dict[int, RankStep] = {}
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

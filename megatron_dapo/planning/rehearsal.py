@@ -116,6 +116,7 @@ class Rehearsal:
     seconds: float
     layout_label: str
     steps: dict = field(default_factory=dict)  # rank -> rank_step.RankStep, where the step ran (``step=True``)
+    control: dict = field(default_factory=dict)  # schedule -> {rank: collectives in order} (planning/control_walk.py)
 
     @property
     def ok(self) -> bool:
@@ -267,9 +268,11 @@ def rehearse(
     every_rank: bool = False,
     step: bool = False,
     jobs: int = 2,
+    measured: dict | None = None,
 ) -> Rehearsal:
     """Build every rank of ``cfg``'s layout on ``nodes × gpus_per_node`` GPUs and check it (module docstring); with
-    ``step``, one rank per pipeline stage also trains once on fake tensors (``rank_step.py``, ``jobs`` at a time)."""
+    ``step``, one rank per pipeline stage also trains once on fake tensors (``rank_step.py``, ``jobs`` at a time);
+    ``measured``: {rank: RankStep} of an earlier step to compare with instead (the docs' tables, ``bench/``)."""
     from megatron_dapo.launch.layout import layout_memory
     from megatron_dapo.launch.placement import PlacementError, make_placement
 
@@ -321,13 +324,14 @@ def rehearse(
                 f"rank {b.rank}: {b.params:,} parameters, rank {cls.ranks[0]} of its class {cls.build.params:,}"
             )
         cls.ranks.append(b.rank)
-    steps = {}
-    if step:
+    steps = dict(measured or {})
+    if step and not steps:
         from megatron_dapo.planning.rank_step import run_steps
 
         steps = run_steps(cfg, step_ranks(builds), placement.world, jobs, getattr(progress, "steps", None))
         failures += _step_failures(steps, builds, arch)
     by_stage = {next(b.pp for b in builds if b.rank == rank): st for rank, st in steps.items()}
+    control = _walk_control_plane(cfg, placement.world, builds, failures)
     usable = layout.usable_gb * GiB
     for cls in sorted(classes.values(), key=lambda c: (c.stage, c.role)):
         cls.phases = _phases(cls, cfg, layout, sync, by_stage.get(cls.stage))
@@ -357,7 +361,49 @@ def rehearse(
         time.monotonic() - t0,
         layout.label(),
         steps,
+        control,
     )
+
+
+def _walk_control_plane(cfg: DapoConfig, world: int, builds, failures: list[str]) -> dict:
+    """Every schedule's step boundary walked at the recipe's rank count (``control_walk.walk_schedules``) for rank 0
+    and the first rank of every later pipeline stage: {schedule: {rank: collectives}}; a rank that would enter the
+    sync's default-group collectives before meeting rank 0 on the control plane is a failure."""
+    from megatron_dapo.planning.control_walk import check_sync, describe, walk_schedules
+
+    others = tuple(r for r in step_ranks(builds) if r != 0) or ((1,) if world > 1 else ())
+    out = {}
+    for name, walk in walk_schedules(cfg, world, ranks=others).items():
+        failures += [f"control plane: {f}" for f in check_sync(walk, name)]
+        out[name] = describe(walk)
+    return out
+
+
+def _control_lines(control: dict, step: int = 1) -> list[str]:
+    """Step ``step``'s collectives per schedule and rank, in order, on one line each."""
+    lines = [f"control plane, step {step} (each schedule; a rank's collectives in order, group: op (phase)):"]
+    for name, ranks in control.items():
+        for rank, events in ranks.items():
+            mine = [e.replace(f" (step {step}: ", " (") for e in events if f"(step {step}:" in e]
+            lines.append(f"  {name}, rank {rank}: " + " · ".join(_fold(mine)))
+    return lines
+
+
+def _fold(items: list[str], longest: int = 6) -> list[str]:
+    """Runs of a repeated group written once: ``(a · b) x 16`` (streamed updates repeat theirs per mini-batch)."""
+    out, i = [], 0
+    while i < len(items):
+        period, reps = 1, 1
+        for k in range(1, longest + 1):
+            n = 1
+            while items[i + n * k : i + (n + 1) * k] == items[i : i + k]:
+                n += 1
+            if n > 1 and n * k > period * reps:
+                period, reps = k, n
+        group = " · ".join(items[i : i + period])
+        out.append(group if reps == 1 else f"{group} x {reps}" if period == 1 else f"({group}) x {reps}")
+        i += period * reps
+    return out
 
 
 def _step_failures(steps: dict, builds, arch) -> list[str]:
@@ -412,6 +458,8 @@ def render(result: Rehearsal) -> str:
             f"the optimizer step, the logprob pass and the export; memory measured by torch's MemTracker "
             f"({max(s.seconds for s in result.steps.values()):.0f} s per rank)"
         )
+    if result.control:
+        lines += _control_lines(result.control)
     lines.append("")
     lines.append("| rank class | ranks | params per rank | " + " | ".join(PHASES) + " |")
     lines.append("|---|---|---:|" + "---:|" * len(PHASES))
@@ -443,6 +491,7 @@ def as_dict(result: Rehearsal) -> dict:
         "failures": result.failures,
         "seconds": result.seconds,
         "steps": {rank: st.as_dict() for rank, st in result.steps.items()},
+        "control": result.control,
         "sync": {
             "export": dataclasses.asdict(result.sync.export),
             "gather": dataclasses.asdict(result.sync.gather),

@@ -32,7 +32,7 @@ HELP_ONLY = {
     "eval": "needs a checkpoint",
     "report": "needs a finished run's metrics.jsonl",
     "convert": "needs a checkpoint to convert",
-    "rehearse": "builds all ranks of a GPU job: 7-25 s on 2 cores",
+    "rehearse": "builds all ranks of a GPU job and trains one per stage on fake tensors: minutes on 2 cores",
     "launch": "needs a Slurm allocation (without --dry-run)",
 }
 RUN_IN_FULL = {"plan": "the planner, under a second on a CPU"}  # and any command with --dry-run

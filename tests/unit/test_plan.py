@@ -136,7 +136,7 @@ def test_activation_formula_reduces_to_korthikanti():
     """GPT (MHA, FFN 4h, GeLU, dropout): 34·h + 5·a·s bytes per token and layer; flash drops the 5·a·s term."""
     gpt = ArchConfig(hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16, num_query_groups=16)
     s = 2048
-    gpt_kw = dict(gated=False, dropout=True, unfused_rope=False)
+    gpt_kw = dict(gated=False, dropout=True, rope_qk=False)
     full = activation_bytes_per_token(gpt, flash=False, attn_seq_len=s, **gpt_kw)
     assert full == 34 * 1024 + 5 * 16 * s
     assert activation_bytes_per_token(gpt, flash=True, **gpt_kw) == 34 * 1024
@@ -146,8 +146,8 @@ def test_activation_formula_reduces_to_korthikanti():
 def test_activation_qwen32b_by_hand():
     a = load_arch("qwen2.5-32b")  # h 5120, q 5120, kv 1024, ffn 27648, SwiGLU, no dropout
     norms, attn, mlp = 4 * 5120, 2 * 5120 + 2 * (5120 + 2048) + 2 * 5120, 2 * 5120 + 4 * 27648 + 2 * 27648
-    rope = 2 * (5120 + 1024)  # megatron-core's unfused RoPE keeps the rotated q and k once more (dapo rehearse's step)
-    assert activation_bytes_per_token(a, unfused_rope=False) == norms + attn + mlp == 231_424
+    rope = 2 * (5120 + 1024)  # the rotated q and k beside the fused QKV output v's view keeps (dapo rehearse's step)
+    assert activation_bytes_per_token(a, rope_qk=False) == norms + attn + mlp == 231_424
     assert activation_bytes_per_token(a) == norms + attn + mlp + rope
     assert activation_bytes_per_token(a, "selective") == 4 * 5120 + 2 * (5120 + 2048) + 2 * 5120 + rope
     none, sel, full = (activation_bytes_per_token(a, r) for r in ("none", "selective", "full"))

@@ -152,3 +152,26 @@ def test_an_expert_count_off_by_one_fails(monkeypatch):
     cfg = load_config("dapo_qwen3_30b_a3b", ["model.arch=tiny-moe", "parallel.tp=1", "parallel.pp=2", "parallel.ep=2"])
     r = rehearse(cfg, 1, 4, "tiny-moe")
     assert any("expert parameters, planner 1" in f for f in r.failures), r.failures
+
+
+def test_each_schedules_sync_is_walked_at_the_recipes_rank_count(monkeypatch):
+    """Every schedule's step boundary at 128 ranks: rank 0 and the first rank of stage 1 each meet on the control plane
+    (before_sync) before the sync's default-group gather; the stream schedule without its meeting fails, named."""
+    from megatron_dapo.loop import control
+    from megatron_dapo.loop.stream_schedule import StreamSchedule
+
+    r = rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
+    assert r.ok, r.failures
+    assert set(r.control) == {"sync", "partial", "one_step_off", "async", "stream", "stream_updates"}
+    for name, ranks in r.control.items():
+        assert set(ranks) == {0, 64}
+        for events in ranks.values():
+            step1 = [e for e in events if "(step 1:" in e]
+            meet = step1.index("control: broadcast_object_list (step 1: before_sync)")
+            assert meet < step1.index("default: all_gather_object (step 1: sync)"), (name, step1)
+    text = rehearsal.render(r)
+    assert "control plane, step 1" in text and "  stream_updates, rank 64: (control: broadcast_object_list" in text
+    monkeypatch.setattr(StreamSchedule, "before_sync", lambda self: self._interrupt() if control.is_driver() else None)
+    r = rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
+    assert any(f.startswith("control plane: stream: rank 64 enters") for f in r.failures), r.failures
+    assert not any(f.startswith("control plane: sync:") for f in r.failures)
