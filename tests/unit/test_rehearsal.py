@@ -154,13 +154,13 @@ def test_an_expert_count_off_by_one_fails(monkeypatch):
     assert any("expert parameters, planner 1" in f for f in r.failures), r.failures
 
 
-def test_each_schedules_sync_is_walked_at_the_recipes_rank_count(monkeypatch):
+def test_each_schedules_sync_is_walked_at_the_recipes_rank_count(dapo_32b, monkeypatch):
     """Every schedule's step boundary at 128 ranks: rank 0 and the first rank of stage 1 each meet on the control plane
     (before_sync) before the sync's default-group gather; the stream schedule without its meeting fails, named."""
     from megatron_dapo.loop import control
     from megatron_dapo.loop.stream_schedule import StreamSchedule
 
-    r = rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
+    r = dapo_32b
     assert r.ok, r.failures
     assert set(r.control) == {"sync", "partial", "one_step_off", "async", "stream", "stream_updates"}
     for name, ranks in r.control.items():
