@@ -12,7 +12,7 @@ scatter of the combine and ``unpermute`` stay megatron-core's own code:
 
 | megatron-core 0.16.1 | what is data | stand-in |
 |---|---|---|
-| ``transformer/moe/token_dispatcher.py:469-590`` ``MoEAlltoAllTokenDispatcher.preprocess`` | the counts per expert (:511), their splits per EP rank and TP rank (:529-568), read as sizes at :695, :778 (``tolist``), by ``sort_chunks_by_idxs`` (moe_utils.py:505-509) and ``SequentialMLP.forward`` (experts.py:910) | megatron-core's ``preprocess`` runs (its count all-gather over TP × EP included), then the counts it set are replaced by ``balanced_counts`` as real CPU tensors |
+| ``transformer/moe/token_dispatcher.py:469-590`` ``MoEAlltoAllTokenDispatcher.preprocess`` | the counts per expert (:511), their splits per EP rank and TP rank (:531-560), read as sizes at :695, :778 (``tolist``), by ``sort_chunks_by_idxs`` (moe_utils.py:505-509) and ``SequentialMLP.forward`` (experts.py:910) | megatron-core's ``preprocess`` runs (its count all-gather over TP × EP included), then the counts it set are replaced by ``balanced_counts`` as real CPU tensors |
 | ``transformer/moe/moe_utils.py:289-377`` ``permute`` (imported by token_dispatcher.py:33, called at :637) | ``masked_select`` (:369, :372): the routed copies in expert order | the same ops with ``masked_select`` replaced by ``_MaskedSelect``: ``num_out_tokens`` elements, saving for backward what torch's ``MaskedSelectBackward0`` saves (the mask and the input) |
 
 The counts (``balanced_counts``): dropless routing sends each of a rank's ``tokens`` to ``topk`` experts, so the rank
@@ -54,14 +54,14 @@ class Counts:
     """The dispatcher's token counts of one MoE layer on one rank (token_dispatcher.py:469-590, same names)."""
 
     local_per_expert: torch.Tensor  # [experts]: this rank's routed copies per expert (:511)
-    input_splits: torch.Tensor  # [ep]: copies sent to each EP rank (:533)
-    output_splits: torch.Tensor  # [ep]: copies received from each EP rank, this TP rank's share (:556)
-    output_splits_tp: torch.Tensor  # [tp]: copies received from each TP rank of the group (:560)
-    global_per_local_expert: torch.Tensor  # [tp, ep, local experts]: every source's copies per local expert (:547)
+    input_splits: torch.Tensor  # [ep]: copies sent to each EP rank (:531)
+    output_splits: torch.Tensor  # [ep]: copies received from each EP rank, this TP rank's share (:554)
+    output_splits_tp: torch.Tensor  # [tp]: copies received from each TP rank of the group (:558)
+    global_per_local_expert: torch.Tensor  # [tp, ep, local experts]: every source's copies per local expert (:546)
 
     @property
     def per_local_expert(self) -> torch.Tensor:
-        """[local experts]: what each of this rank's experts runs on (:562, the ``tokens_per_expert`` returned)."""
+        """[local experts]: what each of this rank's experts runs on (:560, the ``tokens_per_expert`` returned)."""
         return self.global_per_local_expert.sum(dim=(0, 1))
 
 
@@ -140,10 +140,10 @@ def moe_stand_ins() -> Iterator[None]:
         with unset_fake_temporarily():  # real CPU tensors: their values are read as sizes
             c = _counts_of(self, routing_map)
             local = self.num_local_experts
-            if self.ep_size > 1 or self.tp_size > 1:  # token_dispatcher.py:529-568
+            if self.ep_size > 1 or self.tp_size > 1:  # token_dispatcher.py:531-560
                 self.input_splits, self.output_splits = c.input_splits, c.output_splits
                 self.output_splits_tp = c.output_splits_tp
-            if local > 1:  # token_dispatcher.py:578-583
+            if local > 1:  # token_dispatcher.py:575-580
                 self.num_global_tokens_per_local_expert = c.global_per_local_expert.view(-1, local)
                 chunks = torch.arange(self.num_experts * self.tp_size)  # token_dispatcher.py:405-416
                 self.sort_input_by_local_experts = chunks.reshape(-1, local).T.ravel()

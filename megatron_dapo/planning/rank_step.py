@@ -90,26 +90,45 @@ def _ones_list(self):
     return nest(shape) if shape else one
 
 
+class _NoModules:
+    """In place of ``MemTracker``'s ``ModTracker`` (torch 2.13 distributed/_tools/mod_tracker.py), which hooks every
+    module's forward and registers gradient hooks on its inputs and outputs: among them, the tensor hooks a model
+    output already has stop being called (the actor's ``routes.replay_in_backward`` on a pipeline stage's output:
+    the recomputed MoE layers would route on their own instead of replaying). The totals need none of it: only
+    ``is_bw`` is read, to label a storage as forward or backward."""
+
+    is_bw = False
+    parents: set = set()
+
+    def register_user_hooks(self, *args, **kwargs):
+        pass
+
+    def clear_user_hooks(self):
+        pass
+
+    def get_known_fqn(self, module):
+        return type(module).__name__
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+
 class _Tracker:
     """``MemTracker``'s storage accounting (every storage alive, by device) with a per-phase peak. Its per-module
-    statistics are off: it refuses a module entered twice without a reset (torch 2.13 distributed/_tools/
-    mem_tracker.py:673), and every micro-batch enters each layer again; the totals do not depend on them."""
+    statistics are off (``_NoModules``): it refuses a module entered twice without a reset (torch 2.13
+    distributed/_tools/mem_tracker.py:673), and every micro-batch enters each layer again; the totals do not depend
+    on them."""
 
     def __init__(self):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         class _TotalsOnly(MemTracker):
-            def _pre_fw_hook(self, module, inputs):
-                pass
-
-            def _post_fw_hook(self, module, inputs, outputs):
-                pass
-
-            def _pre_bw_hook(self, module, args):
-                pass
-
-            def _post_bw_hook(self, module, args):
-                pass
+            def __init__(self):
+                super().__init__()
+                self._mod_tracker = _NoModules()
 
         self.mt = _TotalsOnly()
 
@@ -150,6 +169,8 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     - stage 0 of the export takes the manifest a later stage sends (how many tensors, their dtypes) as the one it
       expects (``bridge/export.py`` ``recv_manifest``); each stage's own side is checked against the mapping table
       where that stage is rehearsed;
+    - a mixture of experts: the routing probe's agreement (``actor/routes.py`` ``agreement``: how often the model's
+      own top-k, a fake tensor, equals the engine's routes) reads as full agreement; the probe's two forward passes run;
     - a mixture of experts: the export's all-gather of every rank's expert coordinates (``bridge/export.py``
       ``all_expert_coordinates``: who owns which expert, who receives a stage's) gives each rank's own, which
       megatron-core's ``parallel_state`` gave that rank (``fake_rank`` as each rank in turn, before this one's world);
@@ -214,7 +235,11 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     saved[(export, "recv_manifest")] = export.recv_manifest
     code = export._DTYPE_CODES.index(DTYPES[cfg.model.dtype])
     export.recv_manifest = lambda stage, expected, src, device: [code] * expected
-    if load_arch(cfg.model.arch).is_moe:  # every rank's coordinates, each from megatron-core's parallel_state as that rank
+    from megatron_dapo.actor import routes
+
+    saved[(routes, "agreement")] = routes.agreement
+    routes.agreement = lambda chosen, targets, routed: (len(chosen) * int(routed.sum()),) * 2
+    if load_arch(cfg.model.arch).is_moe:  # every rank's coordinates, from megatron-core's parallel_state as that rank
         everyone, hook = [], sys.excepthook  # (each init_process_group wraps sys.excepthook with its rank)
         for r in range(world):
             with fake_rank(r, world, p.tp, p.pp, p.cp, p.ep):
@@ -255,14 +280,24 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
 
 def step_config(cfg: DapoConfig) -> DapoConfig:
     """The recipe as the step runs it on a CPU: FP8 off (its weight copies are counted from the GEMM weights), the
-    recipe's everything else; π_old from a pass (the logprob pass runs), no MoE routing replay (no engine)."""
+    recipe's everything else; π_old from a pass (the logprob pass runs). A mixture of experts keeps the recipe's
+    routing replay: the sequences carry balanced routes in the engine's place (``_sequences``)."""
     model = dataclasses.replace(cfg.model, fp8=None, transformer_impl="local")
-    return dataclasses.replace(cfg, model=model, rollout=dataclasses.replace(cfg.rollout, routing_replay=False))
+    return dataclasses.replace(cfg, model=model)
 
 
-def _sequences(cfg: DapoConfig, count: int, vocab: int, length: int = 0):
+def balanced_routes(tokens: int, moe_layers: int, topk: int, experts: int, offset: int = 0) -> torch.Tensor:
+    """[tokens - 1, MoE layers, top-k] routes (``types.Sequence.routes``, what the engine returns) that spread the
+    tokens' copies evenly over the experts: token t's j-th expert is (t·k + j + offset) mod E in every layer."""
+    t = torch.arange(tokens - 1, dtype=torch.long)[:, None] * topk + torch.arange(topk) + offset
+    return (t % experts)[:, None, :].expand(tokens - 1, moe_layers, topk).contiguous()
+
+
+def _sequences(cfg: DapoConfig, count: int, arch, length: int = 0):
     """``count`` sequences of the recipe's longest length (the longest prompt, the longest response; each fills a
-    micro-batch) or of ``length`` tokens: real token ids, advantages, π_old and rollout logprobs."""
+    micro-batch) or of ``length`` tokens: real token ids, advantages, π_old and rollout logprobs, and for a mixture of
+    experts the engine's routes (``balanced_routes``; the routers replay them where the recipe's routing replay is on,
+    else only the routing probe compares them)."""
     from megatron_dapo.types import Sequence
 
     prompt = cfg.data.max_prompt_len if not length else length // 2
@@ -270,9 +305,10 @@ def _sequences(cfg: DapoConfig, count: int, vocab: int, length: int = 0):
         prompt + cfg.rollout.sampling.max_new_tokens, cfg.parallel.max_tokens_per_micro_batch or 1 << 62
     )
     g = torch.Generator().manual_seed(0)
+    moe_layers = sum(arch.moe_layer_pattern()) if arch.is_moe else 0
     out = []
     for i in range(count):
-        tokens = torch.randint(0, vocab, (length,), generator=g)
+        tokens = torch.randint(0, arch.vocab_size, (length,), generator=g)
         r = length - prompt
         out.append(
             Sequence(
@@ -282,6 +318,7 @@ def _sequences(cfg: DapoConfig, count: int, vocab: int, length: int = 0):
                 old_logprobs=torch.full((r,), -1.0),
                 rollout_logprobs=torch.full((r,), -1.0),
                 loss_mask=torch.ones(r),
+                routes=balanced_routes(length, moe_layers, arch.moe_topk, arch.num_experts, i) if moe_layers else None,
             )
         )
     return out
@@ -301,7 +338,9 @@ def _resident_parts(actor) -> dict[str, int]:
         return n
 
     params = [p for m in actor.model for p in m.module.parameters()]
-    grads = [b.grad_data for m in actor.model for b in getattr(m, "buffers", []) + getattr(m, "expert_parallel_buffers", [])]
+    grads = [
+        b.grad_data for m in actor.model for b in getattr(m, "buffers", []) + getattr(m, "expert_parallel_buffers", [])
+    ]
     states = []
     for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
         for st in opt.optimizer.state.values():
@@ -355,8 +394,8 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
         # Adam's moments exist from the first update on: a short update first, so the measured one is a steady step
         tell("warmup")
         with tracker.phase("warmup", out):
-            actor.update_mini_batch(_sequences(cfg, actor.dp_size, arch.vocab_size, 64), StepTally(0.0), False)
-        seqs = _sequences(cfg, actor.dp_size * max(cfg.parallel.pp, 1), arch.vocab_size)
+            actor.update_mini_batch(_sequences(cfg, actor.dp_size, arch, 64), StepTally(0.0), False)
+        seqs = _sequences(cfg, actor.dp_size * max(cfg.parallel.pp, 1), arch)
         out.micro_batch_tokens = actor.micro_batch_tokens
         tell("train")
         tally = StepTally(time.perf_counter())
