@@ -145,6 +145,7 @@ def activation_bytes_per_token(
     gated: bool = True,
     dropout: bool = False,
     rope_qk: bool = True,
+    tp: int | None = None,
 ) -> float:
     """Bytes one layer keeps for the backward pass per token (16-bit activations, 1-byte dropout masks), before ÷TP.
 
@@ -156,7 +157,11 @@ def activation_bytes_per_token(
       RoPE:       (``rope_qk``) the rotated q and k are new tensors attention keeps, beside the fused QKV output
                   that v's view keeps alive: 2(q + kv) more, measured by ``dapo rehearse``'s step; the unfused
                   RoPE's cos/sin tables are not split by TP (``rope_table_bytes_per_token``). With qk_layernorm the
-                  norms add their fp32 1/rms only (their inputs are views of the QKV output)
+                  norms add their fp32 1/rms only (their inputs are views of the QKV output), except where a TP rank
+                  holds more than one query group (``tp`` given, num_query_groups / tp > 1): the query, split from the
+                  fused output group by group, is reshaped to heads by a copy (megatron-core 0.16.1 attention.py:1463),
+                  which q_layernorm keeps: 2q more (measured by the step: 32 MiB per layer and micro-batch of 8192
+                  tokens for 4 groups at TP 2)
     With MHA, f = 4h, no gating and dropout this is 34h + 5·a·s. ``attn_seq_len`` (s) is the length the attention
     scores span: for a packed micro-batch with a dense block-diagonal mask, all its tokens. Every family: gated (SwiGLU),
     no dropout. Selective (``SELECTIVE_MODULES``): layer-norm outputs, the core attention and the MLP are recomputed,
@@ -168,6 +173,8 @@ def activation_bytes_per_token(
     mask = h if dropout else 0
     # qk_layernorm: the norms' inputs are the q and k parts of the fused QKV output (counted), their 1/rms fp32 per head
     qk_norm = 4 * (arch.num_attention_heads + arch.num_query_groups) if arch.qk_layernorm else 0
+    if arch.qk_layernorm and tp is not None and arch.num_query_groups // tp > 1:
+        qk_norm += 2 * q  # the query reshaped by a copy (attention.py:1463), q_layernorm's input
     # RoPE makes new q and k (megatron-core rope_utils.py:92-126), which attention keeps, while v, a view of the fused
     # QKV output (attention.py get_query_key_value_tensors: torch.split), keeps that whole output alive
     rope = 2 * (q + kv) if rope_qk else 0
@@ -192,11 +199,12 @@ def rope_table_bytes_per_token(arch: ArchConfig) -> float:
 
 
 def backward_working_bytes(arch: ArchConfig, tokens: int, tp: int) -> float:
-    """What a layer's backward holds at once beyond the saved activations, for a micro-batch of ``tokens`` on one
-    GPU: the gradients of the fc1 output (gated: 2f) and of the SwiGLU's output (f), 16-bit, split over TP
+    """What a dense layer's backward holds at once beyond the saved activations, for a micro-batch of ``tokens`` on
+    one GPU: the gradients of the fc1 output (gated: 2f) and of the SwiGLU's output (f), 16-bit, split over TP
     (6f/TP B per token); with TP > 1, sequence parallelism's all-gather buffer of the layer's input (2h B per token,
-    megatron-core's global memory buffer, kept between layers). Measured by ``dapo rehearse``'s step."""
-    f = max(arch.ffn_hidden_size, arch.moe_topk * arch.moe_ffn_hidden_size if arch.is_moe else 0)
+    megatron-core's global memory buffer, kept between layers). Measured by ``dapo rehearse``'s step. An MoE layer's
+    working set is ``moe_working_bytes`` (its experts run one after another: their gradients are not what peaks)."""
+    f = arch.ffn_hidden_size
     return tokens * (6.0 * f / tp + (2.0 * arch.hidden_size if tp > 1 else 0.0))
 
 
@@ -222,30 +230,100 @@ def forward_pass_bytes(one_layer: float, chunk: int, vocab_per_gpu: int, tokens:
     return max(layers, head) if last else layers
 
 
-def moe_layer_activation_delta(arch: ArchConfig, recompute: str, tp: int, imbalance: float = 1.0) -> float:
-    """What an MoE layer keeps per token beyond ``activation_bytes_per_token`` (whose dense MLP it replaces), per GPU
-    and per token of the micro-batch on that GPU (already split over TP where megatron-core splits it).
+def _routed(arch: ArchConfig, imbalance: float, ep: int) -> float:
+    """Routed copies per token that an expert-parallel rank's experts run on: ``moe_topk``, × ``imbalance`` on the
+    busiest EP rank when EP > 1. With EP = 1 every rank holds every expert and gets exactly ``moe_topk`` copies of
+    each token of its TP group whatever the routing (the all-to-all is the identity: megatron-core 0.16.1
+    tensor_parallel/mappings.py:430): no imbalance is possible."""
+    return arch.moe_topk * (imbalance if ep > 1 else 1.0)
 
-    The router, on the sequence-parallel shard (÷TP): its input 2h, fp32 logits 4E, top-k probabilities and indices
-    (4k + 8k) and the replayed indices (8k). The experts, after the alltoall dispatcher's EP exchange and its
-    all-gather over TP (expert TP = TP: every TP rank holds all routed copies of its TP group, f split over TP), per
-    routed copy: the experts' input 2h, their output kept for the weighted combine 2h, and the SwiGLU's 6f/TP;
-    ``moe_topk`` copies per token × ``imbalance`` (the busiest EP rank's routed tokens over the mean; dropless).
-    Selective recompute re-runs the dense MLP, not the experts (megatron-core's "mlp" module); full keeps the input.
+
+def moe_layer_activation_delta(arch: ArchConfig, recompute: str, tp: int, imbalance: float = 1.0, ep: int = 1) -> float:
+    """What an MoE layer keeps per token beyond ``activation_bytes_per_token`` (whose dense MLP it replaces), per GPU
+    and per token of the micro-batch on that GPU (already split over TP where megatron-core splits it). megatron-core
+    0.16.1 with the alltoall dispatcher, ``SequentialMLP`` experts and expert TP = TP (``actor/provider.py``
+    ``moe_kwargs``), measured by ``dapo rehearse``'s step.
+
+    The router, on the sequence-parallel shard (÷TP): its input 2h (``RouterGatingLinearFunction`` keeps it in
+    16 bits, moe_utils.py:1185), the top-k's indices 8k and the softmax over the k chosen logits 4k
+    (moe_utils.py:714-715), the aux loss's softmax over all experts (fp32, 4E) and its top-k indices 8k
+    (moe_utils.py:781, :788), ``permute``'s ``masked_select`` input and mask (the probabilities transposed, fp32 4E,
+    and the routing map, E: moe_utils.py:372) and its token indices 8k (``index_select``, :377): 2h + 9E + 28k.
+    The experts, after the alltoall dispatcher's EP exchange and its all-gather over TP (expert TP = TP: every TP rank
+    holds all routed copies of its TP group, f split over TP), per routed copy: the experts' input 2h (fc1's), the
+    fc1 output 4f/TP and its probability 4 B (the weighted SwiGLU's: mlp.py:170-180, fused_bias_swiglu.py:196) and
+    the SwiGLU's output 2f/TP (fc2's); ``_routed`` copies per token. The experts' output is not kept: the weighted
+    SwiGLU applies the routing probabilities inside each expert, so the combine's ``unpermute`` takes none
+    (token_dispatcher.py:833). (This replaced 2h + 4E + 20k, a kept output 2h per copy and the imbalance at any EP:
+    the step measured 614.7 MiB per layer and micro-batch where that said 1001, 128 experts of 16, 8192 tokens, TP 2.)
+    Selective recompute re-runs only the core attention (megatron-core's default ``recompute_modules``), never the
+    experts; full keeps the input, and the recomputed layer's activations are ``moe_working_bytes``'s.
     """
     if recompute == "full":
         return 0.0
     h, f, k, e = arch.hidden_size, arch.moe_ffn_hidden_size, arch.moe_topk, arch.num_experts
     dense_mlp = 0 if recompute == "selective" else 2 * h + 6 * arch.ffn_hidden_size
-    router = 2 * h + 4 * e + 20 * k
-    experts = k * imbalance * (4 * h + 6 * f / tp)
+    router = 2 * h + 9 * e + 28 * k
+    experts = _routed(arch, imbalance, ep) * (2 * h + 6 * f / tp + 4)
     return (router - dense_mlp) / tp + experts
 
 
-def moe_dispatch_bytes(arch: ArchConfig, tokens: int, imbalance: float = 1.0) -> float:
-    """The alltoall dispatcher's buffers of the one MoE layer running: the permuted tokens sent and received
-    (2 × ``tokens`` × k × 2h B, ``tokens`` = the micro-batch tokens of a TP group)."""
-    return 2.0 * tokens * arch.moe_topk * imbalance * 2 * arch.hidden_size if arch.is_moe else 0.0
+def moe_dispatch_bytes(arch: ArchConfig, tokens: int, imbalance: float = 1.0, tp: int = 1, ep: int = 1) -> float:
+    """What the running MoE layer holds at its combine beyond what it keeps for the backward, for a micro-batch of
+    ``tokens`` on one TP group (``R = tokens × _routed`` copies on each TP rank after the TP all-gather; this rank's own
+    ``tokens / TP × k``, what it permutes and gets back): the experts' outputs concatenated (experts.py:925, R × 2h)
+    and put back in source order (``sort_chunks_by_idxs``, moe_utils.py:506: R × 2h, with more than one local expert);
+    with TP > 1 their fp32 copy for the reduce-scatter (``.to(probs.dtype)``: the router runs in fp32,
+    token_dispatcher.py:780, R × 4h) and its output (R / TP × 4h); the rank's permuted copies, alive in
+    ``MoELayer.forward`` (moe_utils.py:377, tokens / TP × k × 2h) and with EP > 1 the all-to-all's output
+    (× ``imbalance``). Measured by ``dapo rehearse``'s step: the peak of a recomputed MoE layer is at the combine's
+    reduce-scatter (mappings.py:192). (This replaced 2 × tokens × k × imbalance × 2h, the sent and received buffers
+    alone: 640 MiB where the step measured 1,408 at 8192 tokens, k 8, h 2048, TP 2.)"""
+    if not arch.is_moe:
+        return 0.0
+    h, k = arch.hidden_size, arch.moe_topk
+    r = tokens * _routed(arch, imbalance, ep)
+    mine = tokens / tp * k
+    local_experts = arch.num_experts // ep
+    out = r * 2 * h * (2 if local_experts > 1 else 1)
+    if tp > 1:
+        out += r * 4 * h + r / tp * 4 * h
+    out += mine * 2 * h * (1 + (imbalance if ep > 1 else 0.0))
+    return out
+
+
+def moe_working_bytes(arch: ArchConfig, tokens: int, tp: int, imbalance: float = 1.0, ep: int = 1) -> float:
+    """An MoE layer's peak beyond the activations the stage keeps, for a micro-batch of ``tokens`` on one TP group:
+    ``moe_dispatch_bytes`` at its combine, sequence parallelism's all-gather buffer (2h per token, TP > 1) and the
+    gradient arriving from the layer above (2h per token ÷ TP). Under full recompute the layer runs its forward again
+    inside the backward and the planner adds the whole layer's activations (``activation_bytes_per_token`` +
+    ``moe_layer_activation_delta``, as if not recomputed). Measured by ``dapo rehearse``'s step."""
+    h = arch.hidden_size
+    return moe_dispatch_bytes(arch, tokens, imbalance, tp, ep) + 2.0 * h * tokens * (1.0 / tp + (1 if tp > 1 else 0))
+
+
+def moe_forward_bytes(arch: ArchConfig, tokens: int, tp: int, imbalance: float = 1.0, ep: int = 1) -> float:
+    """An MoE layer's peak in a forward-only pass (the old-logprob pass), for a micro-batch of ``tokens`` on one TP
+    group: ``moe_dispatch_bytes`` at its combine, the experts' input (alive in ``MoELayer.routed_experts_compute``,
+    tokens × ``_routed`` × 2h) and the router's input (2h per token ÷ TP). ``forward_pass_bytes`` adds the residual
+    stream and the all-gather buffer. Measured by ``dapo rehearse``'s step."""
+    h = arch.hidden_size
+    return moe_dispatch_bytes(arch, tokens, imbalance, tp, ep) + tokens * (
+        _routed(arch, imbalance, ep) * 2 * h + 2 * h / tp
+    )
+
+
+def moe_retained_bytes(arch: ArchConfig, tokens: int, tp: int, moe_layers: int, after_update: bool = False) -> float:
+    """Under full recompute, what a stage's MoE layers keep from the backward of their last micro-batch until their
+    next forward: the alltoall dispatcher keeps the routing probabilities (``self.probs``, token_dispatcher.py:610),
+    which hold the recomputed forward's autograd graph, down to the checkpoint's detached input (a leaf: its
+    ``AccumulateGrad`` keeps it, and its gradient) — 2h per token ÷ TP each. In the update the layers above the one
+    being recomputed hold their input's gradient (the input itself is counted in flight): (MoE layers − 1) × 2h;
+    ``after_update`` (the next pass, forward only): the input and its gradient of the layers the pass has not reached
+    yet, at most (MoE layers − 1) × 4h (the step measured one layer fewer at the pass's peak). Measured by
+    ``dapo rehearse``'s step (it vanishes when the dispatcher's probabilities are detached after the combine)."""
+    per = (4.0 if after_update else 2.0) * arch.hidden_size * tokens / tp
+    return max(moe_layers - 1, 0) * per
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough st
   response-position copy (2 × tokens × h × 2 B). The old-logprob pass: ``forward_pass_bytes``. A layer's backward
   holds its gradients and SP's gather buffer beyond the saved activations (``backward_working_bytes``). Each term
   is checked against torch's accounting of a real step on fake tensors by ``dapo rehearse`` (within 10%).
+  A mixture of experts: an MoE layer keeps the router's tensors and, per routed copy, the experts' input and
+  intermediates (``moe_layer_activation_delta``); the running one peaks at its combine (``moe_working_bytes``: the
+  experts' outputs, their fp32 copy for the reduce-scatter), with its whole activations when recomputed, and under full
+  recompute the stage's other MoE layers keep their last backward's input gradient (``moe_retained_bytes``); the
+  forward-only pass: ``moe_forward_bytes``. ``moe_imbalance`` applies with EP > 1 only (EP = 1: every rank runs
+  exactly k copies of each token of its TP group).
   This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
   ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
 - Colocated, three phases (``Plan.phases``, each must fit): *train* = the trainer's peak while SGLang has released
@@ -57,14 +63,16 @@ from megatron_dapo.models.memory import (
     GiB,
     _check_split,
     activation_bytes_per_token,
-    backward_working_bytes,
-    forward_pass_bytes,
-    logits_bytes,
     active_gemm_params,
+    backward_working_bytes,
     count_params,
     expert_params,
-    moe_dispatch_bytes,
+    forward_pass_bytes,
+    logits_bytes,
+    moe_forward_bytes,
     moe_layer_activation_delta,
+    moe_retained_bytes,
+    moe_working_bytes,
     rollout_phase,
     rope_table_bytes_per_token,
     stage_gemm_params,
@@ -267,16 +275,24 @@ def _evaluate(
     tok_gpu = mb_tokens // cp
     m_update = max(math.ceil(job.step_tokens / job.updates / dp / (mb_tokens * 0.97)), 1)  # ~3% packing loss
     rope = rope_table_bytes_per_token(arch) if recompute != "full" else 0.0  # not split by TP
-    per_layer = (activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens) / tp + rope) * tok_gpu
-    per_moe_layer = per_layer + moe_layer_activation_delta(arch, recompute, tp, o.moe_imbalance) * tok_gpu
-    dispatch = moe_dispatch_bytes(arch, tok_gpu, o.moe_imbalance)  # the running MoE layer's alltoall buffers
+    per_layer = (
+        activation_bytes_per_token(arch, recompute, flash=o.flash, attn_seq_len=mb_tokens, tp=tp) / tp + rope
+    ) * tok_gpu
+    imb = o.moe_imbalance
+    per_moe_layer = per_layer + moe_layer_activation_delta(arch, recompute, tp, imb, ep) * tok_gpu
     one_layer = (
-        activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens) / tp
+        activation_bytes_per_token(arch, "none", flash=o.flash, attn_seq_len=mb_tokens, tp=tp) / tp
         + rope_table_bytes_per_token(arch)
     ) * tok_gpu
-    working = backward_working_bytes(arch, tok_gpu, tp)  # a layer's backward: its gradients, SP's gather buffer
+    working = backward_working_bytes(arch, tok_gpu, tp)  # a dense layer's backward: its gradients, SP's gather buffer
     if recompute == "full":  # one layer's activations while it is recomputed
         working += one_layer
+    # an MoE layer's peak is at its combine (the experts' outputs, their fp32 copy for the reduce-scatter); recomputed,
+    # with the layer's own activations (its experts' input and intermediates, the router's)
+    moe_working = moe_working_bytes(arch, tok_gpu, tp, imb, ep) if arch.is_moe else 0.0
+    moe_forward = moe_forward_bytes(arch, tok_gpu, tp, imb, ep) if arch.is_moe else 0.0
+    if recompute == "full" and arch.is_moe:
+        moe_working += one_layer + moe_layer_activation_delta(arch, "none", tp, imb, ep) * tok_gpu
     chunk = min(o.logprob_chunk_tokens, tok_gpu) if o.logprob_chunk_tokens > 0 else tok_gpu
     if not o.colocated:
         rollout_held = 0.0
@@ -289,7 +305,21 @@ def _evaluate(
         p = count_params(arch, tp, pp, s, vocab, ep)
         experts = expert_params(arch, tp, pp, s, ep)
         moe_layers = sum(arch.is_moe_layer(i) for i in range(s * L // pp, (s + 1) * L // pp))
-        stage_layers = (L // pp - moe_layers) * per_layer + moe_layers * per_moe_layer
+        dense_layers = L // pp - moe_layers
+        stage_layers = dense_layers * per_layer + moe_layers * per_moe_layer
+        full = recompute == "full"
+        # the running layer's peak: a dense layer's backward, or an MoE layer's combine with what the stage's other MoE
+        # layers keep from their last backward under full recompute (moe_retained_bytes)
+        stage_working = max(
+            working if dense_layers else 0.0,
+            moe_working + (moe_retained_bytes(arch, tok_gpu, tp, moe_layers) if full else 0.0) if moe_layers else 0.0,
+        )
+        forward_layer = max(
+            one_layer if dense_layers else 0.0,
+            moe_forward + (moe_retained_bytes(arch, tok_gpu, tp, moe_layers, True) if full else 0.0)
+            if moe_layers
+            else 0.0,
+        )
         last = s == pp - 1
         stages.append(
             Memory(
@@ -300,9 +330,9 @@ def _evaluate(
                 grads=FP32 * p,
                 # the distributed optimizer shards dense weights over DP·CP, experts over their DP·CP/EP replicas
                 optimizer=12.0 * ((p - experts) / (dp * cp) + experts / (dp * cp // ep)) if distopt else 12.0 * p,
-                activations=min(pp - s, m_update) * stage_layers + working + (dispatch if moe_layers else 0.0),
+                activations=min(pp - s, m_update) * stage_layers + stage_working,
                 logits=logits_bytes(chunk, vocab // tp, tok_gpu, h) if last else 0.0,
-                forward_pass=forward_pass_bytes(one_layer, chunk, vocab // tp, tok_gpu, h, tp, last),
+                forward_pass=forward_pass_bytes(forward_layer, chunk, vocab // tp, tok_gpu, h, tp, last),
                 rollout=rollout_held,
                 overhead=overhead,
                 expert_params=experts,
