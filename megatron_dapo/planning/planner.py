@@ -26,7 +26,8 @@ prediction (bytes, reported in GiB) for the worst pipeline stage, and a rough st
   intermediates (``moe_layer_activation_delta``); the running one peaks at its combine (``moe_working_bytes``: the
   experts' outputs, their fp32 copy for the reduce-scatter), with its whole activations when recomputed, and under full
   recompute the stage's other MoE layers keep their last backward's input gradient (``moe_retained_bytes``); the
-  forward-only pass: ``moe_forward_bytes``. ``moe_imbalance`` applies with EP > 1 only (EP = 1: every rank runs
+  forward-only pass: ``moe_forward_bytes``. On the last stage the head's logits and an MoE layer's peak come one after
+  the other in the backward: the larger counts, not their sum. ``moe_imbalance`` applies with EP > 1 only (EP = 1: every rank runs
   exactly k copies of each token of its TP group).
   This is how the actor works (output GEMM + log-softmax chunk by chunk, ``parallel.logprob_chunk_tokens``); pass
   ``logprob_chunk_tokens=0`` to size the logits for a whole micro-batch instead.
@@ -289,6 +290,7 @@ def _evaluate(
         working += one_layer
     # an MoE layer's peak is at its combine (the experts' outputs, their fp32 copy for the reduce-scatter); recomputed,
     # with the layer's own activations (its experts' input and intermediates, the router's)
+    sp_buffer = 2.0 * h * tok_gpu if tp > 1 else 0.0  # sequence parallelism's all-gather buffer, kept between layers
     moe_working = moe_working_bytes(arch, tok_gpu, tp, imb, ep) if arch.is_moe else 0.0
     moe_forward = moe_forward_bytes(arch, tok_gpu, tp, imb, ep) if arch.is_moe else 0.0
     if recompute == "full" and arch.is_moe:
@@ -321,6 +323,11 @@ def _evaluate(
             else 0.0,
         )
         last = s == pp - 1
+        logits = logits_bytes(chunk, vocab // tp, tok_gpu, h) if last else 0.0
+        if last and moe_layers:
+            # the head's backward (its logits) runs before the layers' and is over when an MoE layer peaks: the stage
+            # peaks at the larger of the two, with a dense layer's working set (SP's buffer) beside the head
+            stage_working = max(stage_working - logits, working if dense_layers else sp_buffer)
         stages.append(
             Memory(
                 stage=s,
@@ -331,7 +338,7 @@ def _evaluate(
                 # the distributed optimizer shards dense weights over DP·CP, experts over their DP·CP/EP replicas
                 optimizer=12.0 * ((p - experts) / (dp * cp) + experts / (dp * cp // ep)) if distopt else 12.0 * p,
                 activations=min(pp - s, m_update) * stage_layers + stage_working,
-                logits=logits_bytes(chunk, vocab // tp, tok_gpu, h) if last else 0.0,
+                logits=logits,
                 forward_pass=forward_pass_bytes(forward_layer, chunk, vocab // tp, tok_gpu, h, tp, last),
                 rollout=rollout_held,
                 overhead=overhead,
