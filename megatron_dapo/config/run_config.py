@@ -216,6 +216,10 @@ class RewardConfig:
     timeout_s: float = 30.0  # per call
     failure_score: float = -1.0  # the score of a sample whose call raised or timed out
     max_consecutive_failures: int = 64  # this many failed samples in a row stop the run
+    # reward worker processes (reward.fn's and math-verify's) are recycled after this many calls (0 = never) and when
+    # their resident memory after a call passes this many MB (0 = no limit)
+    worker_max_tasks: int = 1000
+    worker_max_rss_mb: int = 2048
 
 
 @dataclass

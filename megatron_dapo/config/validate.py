@@ -317,6 +317,10 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("reward.timeout_s", rw.timeout_s, "must be > 0")
     if rw.max_consecutive_failures < 1:
         fail("reward.max_consecutive_failures", rw.max_consecutive_failures, "must be >= 1")
+    if rw.worker_max_tasks < 0:
+        fail("reward.worker_max_tasks", rw.worker_max_tasks, "must be >= 0 (0 = never recycle)")
+    if rw.worker_max_rss_mb < 0:
+        fail("reward.worker_max_rss_mb", rw.worker_max_rss_mb, "must be >= 0 (0 = no limit)")
     c = cfg.cluster
     if c.placement == "disaggregated" and not 0 < c.rollout_nodes < c.nodes:
         fail(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from megatron_dapo.reward.timed_pool import ERROR, OK, TIMEOUT, TimedPool
+from megatron_dapo.reward.timed_pool import DEFAULT_MAX_RSS_MB, DEFAULT_MAX_TASKS, ERROR, OK, TIMEOUT, TimedPool
 
 WRONG, INVALID = "wrong", "invalid"
 NO_ANSWER = "[INVALID]"
@@ -66,8 +66,20 @@ class MathVerifyPool(TimedPool):
         score_fn: ScoreFn = math_verify_match,
         mp_context: str = "spawn",
         startup_timeout_s: float = 300.0,
+        max_tasks: int = DEFAULT_MAX_TASKS,
+        max_rss_mb: float = DEFAULT_MAX_RSS_MB,
     ):
-        super().__init__(workers, timeout_s, grace_s, mp_context, startup_timeout_s, _init_worker, "math-verify pool")
+        super().__init__(
+            workers,
+            timeout_s,
+            grace_s,
+            mp_context,
+            startup_timeout_s,
+            _init_worker,
+            "math-verify pool",
+            max_tasks=max_tasks,
+            max_rss_mb=max_rss_mb,
+        )
         self.score_fn = score_fn
         self.counters["invalid"] = 0
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_dapo.reward.math_dapo import compute_score
 from megatron_dapo.reward.math_verify_backend import ERROR, INVALID, TIMEOUT, MathVerifyPool
+from megatron_dapo.reward.timed_pool import DEFAULT_MAX_RSS_MB, DEFAULT_MAX_TASKS
 from megatron_dapo.reward.user_fn import UserRewardFn
 
 DAPO_RULE = "math_dapo"
@@ -97,6 +98,8 @@ class RewardScorer:
         math_verify_timeout_s: float = 5.0,
         math_verify_workers: int | None = None,
         user_fn: UserRewardFn | None = None,
+        worker_max_tasks: int = DEFAULT_MAX_TASKS,
+        worker_max_rss_mb: float = DEFAULT_MAX_RSS_MB,
     ):
         self.user_fn = user_fn
         self.extras: collections.defaultdict = collections.defaultdict(lambda: [0.0, 0])  # name -> [sum, count]
@@ -108,14 +111,16 @@ class RewardScorer:
         self.force = force
         self._mv_timeout_s = math_verify_timeout_s
         self._mv_workers = math_verify_workers
+        self._worker_limits = {"max_tasks": worker_max_tasks, "max_rss_mb": worker_max_rss_mb}
         self._math_verify: MathVerifyPool | None = None
         self.counters: collections.Counter = collections.Counter()
 
     @classmethod
     def from_config(cls, reward_cfg: Any) -> RewardScorer:
         """The run's scorer: by data_source, or ``reward.fn`` when set (loaded now: a bad value is a ConfigError)."""
+        limits = {"worker_max_tasks": reward_cfg.worker_max_tasks, "worker_max_rss_mb": reward_cfg.worker_max_rss_mb}
         if reward_cfg.fn is None:
-            return cls()
+            return cls(**limits)  # the limits hold for math-verify's workers too
         fn = UserRewardFn(
             reward_cfg.fn,
             workers=reward_cfg.workers,
@@ -123,6 +128,7 @@ class RewardScorer:
             failure_score=reward_cfg.failure_score,
             batched=reward_cfg.batched,
             max_consecutive_failures=reward_cfg.max_consecutive_failures,
+            **limits,
         )
         return cls(user_fn=fn)
 
@@ -149,7 +155,9 @@ class RewardScorer:
     @property
     def math_verify(self) -> MathVerifyPool:
         if self._math_verify is None:
-            self._math_verify = MathVerifyPool(workers=self._mv_workers, timeout_s=self._mv_timeout_s)
+            self._math_verify = MathVerifyPool(
+                workers=self._mv_workers, timeout_s=self._mv_timeout_s, **self._worker_limits
+            )
         return self._math_verify
 
     def score(self, response: str, row: Any) -> dict:

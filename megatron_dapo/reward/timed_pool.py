@@ -1,36 +1,53 @@
-"""Calls that may hang or crash, run in worker processes with a time limit per call.
+"""Calls that may hang, crash, leak or fork, run in worker processes with a time limit per call.
 
     with TimedPool(workers=2, timeout_s=5.0) as pool:
         pool.run(fn, [(a1, b1), (a2, b2)])   # [("ok", fn(a1, b1)), ("timeout", None)] in order
 
 A verifier can hang in a C call that ignores signals (big-integer arithmetic, regex backtracking), call
-``signal.alarm`` itself, or crash its process. So every call runs in a worker process (spawn or forkserver, never
-fork: the parent may hold threads and CUDA), under two time limits:
+``signal.alarm`` itself, crash its process, leak memory or start processes it never reaps. So every call runs in a
+worker process of this pool (spawn or forkserver, never fork: the parent may hold threads and CUDA), one call at a
+time per worker, and the parent knows which call each worker runs:
 
-* soft: inside the worker an interval timer raises a ``BaseException`` after ``timeout_s`` (so a verifier's own
-  ``except Exception`` lets it by);
-* hard: the parent waits at most ``timeout_s + grace_s`` for a call; past that it kills this pool's own worker
-  processes, recreates the pool and resubmits the other calls that were in flight.
+* time: inside the worker an interval timer raises a ``BaseException`` after ``timeout_s`` (so a verifier's own
+  ``except Exception`` lets it by); the parent waits at most ``timeout_s + grace_s`` for a call, then kills that
+  worker (and its processes) and starts a new one. The other workers' calls go on untouched.
+* crash: a worker that dies (segfault, ``os._exit``, OOM kill) fails only the call it was running: that call runs once
+  more in a fresh worker, then ends as an error; the calls running beside it are never charged.
+* processes: each worker is a child subreaper; when a call ends, every process it started (and their orphans) is
+  stopped and killed. A killed worker's processes are killed with it.
+* memory: a worker is recycled (exits, a fresh one replaces it) after ``max_tasks`` calls and when its resident memory
+  after a call passes ``max_rss_mb``; a spare worker, started ahead, takes its place at once. A call that allocates
+  far past the limit within itself is not stopped (no ``RLIMIT_AS``: it would break numpy's and torch's reservations).
 
-A call ends as ``("ok", value)``, ``("timeout", None)`` or ``("error", message)``; a run never hangs on one. A worker
-that dies (segfault, OOM kill) breaks the pool: it is recreated and the calls in flight run once more, then end as
-errors. ``fn`` and its arguments must be picklable (a top-level function). As with any spawn/forkserver pool, the
-workers import the parent's ``__main__``: scripts need the usual ``if __name__ == "__main__":`` guard.
+A call ends as ``("ok", value)``, ``("timeout", None)`` or ``("error", message)``; a run never hangs on one. ``fn``
+and its arguments must be picklable (a top-level function). As with any spawn/forkserver pool, the workers import the
+parent's ``__main__``: scripts need the usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
-import concurrent.futures as cf
+import ctypes
+import logging
 import multiprocessing
+import multiprocessing.connection as mpc
 import os
+import pickle
 import signal
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import psutil
+
 OK, TIMEOUT, ERROR = "ok", "timeout", "error"
+DEFAULT_MAX_TASKS = 1000  # reward.worker_max_tasks (math-verify at 200: 40% fewer calls/s on 2 cores)
+DEFAULT_MAX_RSS_MB = 2048  # reward.worker_max_rss_mb
+
+log = logging.getLogger(__name__)
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 class _SoftTimeout(BaseException):
@@ -49,6 +66,8 @@ def _run_one(fn: Callable, args: tuple, timeout_s: float) -> tuple[str, Any]:
         return OK, fn(*args)
     except _SoftTimeout:
         return TIMEOUT, None
+    except SystemExit as e:  # sys.exit() in the function ends its call, not the worker
+        return ERROR, f"SystemExit: the function called sys.exit({e.code!r})"[:500]
     except Exception as e:  # noqa: BLE001 - the caller decides what a failed call scores
         return ERROR, f"{type(e).__name__}: {e}"[:500]
     finally:
@@ -56,15 +75,155 @@ def _run_one(fn: Callable, args: tuple, timeout_s: float) -> tuple[str, Any]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _warmup() -> int:
-    time.sleep(0.05)  # long enough that each of the first jobs lands on a different worker
-    return os.getpid()
+def _become_subreaper() -> bool:
+    """Orphans of this process's descendants are re-parented to it (Linux), so a daemonizing child stays findable."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _own_children() -> set[int] | None:
+    """This process's children from /proc (a few microseconds, where psutil walks every process); None: unknown."""
+    try:
+        pids: set[int] = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        return pids
+    except (OSError, ValueError):
+        return None
+
+
+def kill_tree(root: psutil.Process, include_root: bool, keep: frozenset[int] = frozenset()) -> int:
+    """Stop, then kill, ``root``'s descendants (not the pids in ``keep``) and with ``include_root`` root itself.
+
+    Each found process is stopped first (SIGSTOP) and the tree walked again, so a fork bomb cannot outrun the walk.
+    Returns how many descendants were killed."""
+    found: dict[int, psutil.Process] = {}
+    if include_root:
+        try:
+            root.suspend()
+        except psutil.Error:
+            pass
+    for _ in range(100):
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        new = [p for p in kids if p.pid not in keep and p.pid not in found]
+        if not new:
+            break
+        for p in new:
+            found[p.pid] = p
+            try:
+                p.suspend()
+            except psutil.Error:
+                pass
+    victims = list(found.values()) + ([root] if include_root else [])
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if root.pid == os.getpid():  # our own children (and re-parented orphans): reap them
+        psutil.wait_procs(list(found.values()), timeout=5)
+    return len(found)
+
+
+def _worker_main(conn, initializer: Callable[[], None] | None) -> None:
+    """A worker: ``(fn, args, timeout_s)`` in, ``((status, value), rss_mb, children_killed)`` out, until ``None``/EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us through the pipe
+    _become_subreaper()
+    try:
+        if initializer is not None:
+            initializer()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the pool
+        conn.send(("failed", f"{type(e).__name__}: {e}"[:500]))
+        return
+    me = psutil.Process()
+    keep = frozenset(p.pid for p in me.children(recursive=True))  # the initializer's own helpers, if any
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            msg = pickle.loads(data)
+        except BaseException as e:  # noqa: BLE001
+            result: tuple[str, Any] = (ERROR, f"the call could not be unpickled in the worker: {type(e).__name__}: {e}")
+        else:
+            if msg is None:
+                return
+            fn, args, timeout_s = msg
+            result = _run_one(fn, args, timeout_s)
+        children = _own_children()  # as a subreaper, we have descendants only if we have children
+        killed = kill_tree(me, include_root=False, keep=keep) if children is None or children - keep else 0
+        rss_mb = me.memory_info().rss / 2**20
+        try:
+            payload = pickle.dumps((result, rss_mb, killed))
+        except BaseException as e:  # noqa: BLE001 - an unpicklable value fails its own call only
+            failed = (ERROR, f"the result could not be sent back: {type(e).__name__}: {e}"[:500])
+            payload = pickle.dumps((failed, rss_mb, killed))
+        conn.send_bytes(payload)
+
+
+class _Worker:
+    """One worker process, its pipe, and the call it runs (``task``: (index, start time)) if any."""
+
+    def __init__(self, ctx, initializer: Callable[[], None] | None, name: str):
+        self.conn, child = ctx.Pipe()
+        # Not daemonic: a reward function may use multiprocessing itself. close() and the atexit hook stop us.
+        self.proc = ctx.Process(target=_worker_main, args=(child, initializer), name=name)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.started = time.monotonic()
+        self.tasks = 0
+        self.task: tuple[int, float] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        """Kill this worker and every process it started, and reap it."""
+        if self.proc.exitcode is None:  # not reaped yet, so the pid is still this worker's
+            try:
+                kill_tree(psutil.Process(self.pid), include_root=True)
+            except psutil.Error:
+                pass
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to exit; kill it if it does not within a few seconds."""
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=5)
+        self.kill()
+
+
+_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:  # registered after multiprocessing's own hook, so it runs first (no join on our workers)
+    for pool in list(_POOLS):
+        pool.close()
 
 
 class TimedPool:
     """A pool of worker processes with per-call time limits; see the module docstring.
 
-    Counters (cumulative): ``calls``, ``timeouts`` (soft + hard), ``hard_timeouts``, ``errors``, ``restarts``.
+    ``max_tasks``: calls a worker runs before it is recycled (0 = never); ``max_rss_mb``: resident memory after a call
+    past which it is recycled (0 = no limit). With either on, one spare worker is kept started, so a recycled worker's
+    place is taken at once (no call waits for a process start or the initializer). Counters (cumulative): ``calls``, ``timeouts`` (soft + hard),
+    ``hard_timeouts``, ``errors``, ``restarts`` (workers replaced after a death or a hard timeout), ``recycled``
+    (workers replaced at their task or memory limit), ``children_killed`` (processes a call left behind).
     """
 
     def __init__(
@@ -76,73 +235,131 @@ class TimedPool:
         startup_timeout_s: float = 300.0,
         initializer: Callable[[], None] | None = None,
         name: str = "worker pool",
+        max_tasks: int = DEFAULT_MAX_TASKS,
+        max_rss_mb: float = DEFAULT_MAX_RSS_MB,
     ):
         if timeout_s <= 0:
             raise ValueError(f"{name}: timeout_s = {timeout_s}: must be > 0")
         if mp_context == "fork":
             raise ValueError(f"{name}: mp_context 'fork' is unsafe here (threads, CUDA); use spawn/forkserver")
+        if max_tasks < 0 or max_rss_mb < 0:
+            raise ValueError(f"{name}: max_tasks = {max_tasks}, max_rss_mb = {max_rss_mb}: must be >= 0 (0 = off)")
         self.name = name
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self.timeout_s = float(timeout_s)
         self.grace_s = float(grace_s) if grace_s is not None else max(2.0, self.timeout_s)
         self.startup_timeout_s = startup_timeout_s
         self.initializer = initializer
+        self.max_tasks = int(max_tasks)
+        self.max_rss_mb = float(max_rss_mb)
         self._ctx = multiprocessing.get_context(mp_context)
-        self._pool: cf.ProcessPoolExecutor | None = None
-        self.counters = collections.Counter({k: 0 for k in ("calls", "timeouts", "hard_timeouts", "errors")})
-        self.counters["restarts"] = 0
+        self._workers: list[_Worker] = []
+        self._spare: _Worker | None = None  # with recycling on: one more worker, started, idle, to take a place
+        self._retiring: list[tuple[_Worker, float]] = []  # recycled workers on their way out, with a deadline
+        self.counters = collections.Counter(
+            {k: 0 for k in ("calls", "timeouts", "hard_timeouts", "errors", "restarts", "recycled", "children_killed")}
+        )
+        _POOLS.add(self)
 
-    # -- pool lifecycle -------------------------------------------------------------------------------------------
+    # -- workers --------------------------------------------------------------------------------------------------
 
-    def _ensure_pool(self) -> cf.ProcessPoolExecutor:
-        if self._pool is None:
-            pool = cf.ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=self.initializer)
-            try:
-                warm = [pool.submit(_warmup) for _ in range(self.workers)]
-                for fut in warm:
-                    fut.result(timeout=self.startup_timeout_s)
-            except Exception as e:
-                self._kill(pool)
-                raise RuntimeError(
-                    f"{self.name}: workers did not start within {self.startup_timeout_s:.0f} s: {e!r}"
-                ) from e
-            self._pool = pool
-        return self._pool
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.initializer, f"{self.name} worker")
 
-    @staticmethod
-    def _kill(pool: cf.ProcessPoolExecutor) -> None:
-        """Kill this pool's own worker processes (never anything else) and reap them.
+    def _successor(self) -> _Worker:
+        """Who takes a replaced worker's place: the spare, started ahead (a new spare starts), or a new worker."""
+        if self._spare is None:
+            return self._spawn()
+        w, self._spare = self._spare, self._spawn()
+        return w
 
-        ``_processes`` is private to ``ProcessPoolExecutor`` (public ``kill_workers()`` arrives in Python 3.14)."""
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
-        for proc in procs:
-            proc.join(timeout=5)
+    def _replace(self, w: _Worker, counter: str) -> None:
+        """Kill ``w`` (with its processes); its successor takes the place (and calls once it says it is ready)."""
+        w.kill()
+        self._workers[self._workers.index(w)] = self._successor()
+        self.counters[counter] += 1
 
-    def _restart(self) -> None:
-        if self._pool is not None:
-            self._kill(self._pool)
-            self._pool = None
-        self.counters["restarts"] += 1
-        self._ensure_pool()
+    def _recycle(self, w: _Worker, why: str) -> None:
+        """``w`` exits in the background; its successor takes the place at once."""
+        log.info("%s: recycling worker %d: %s", self.name, w.pid, why)
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self._retiring.append((w, time.monotonic() + 5.0))
+        self._workers[self._workers.index(w)] = self._successor()
+        self.counters["recycled"] += 1
+
+    def _reap_retiring(self, wait: bool = False) -> None:
+        """Reap the recycled workers that have exited; kill those still there 5 s after they were told to go."""
+        keep = []
+        for w, deadline in self._retiring:
+            if wait:
+                w.proc.join(max(0.0, deadline - time.monotonic()))
+            if not w.proc.is_alive() or time.monotonic() >= deadline:
+                w.kill()
+            else:
+                keep.append((w, deadline))
+        self._retiring = keep
+
+    def _startup_failed(self, why: str) -> None:
+        self.close()
+        raise RuntimeError(f"{self.name}: workers did not start within {self.startup_timeout_s:.0f} s: {why}")
+
+    def _on_ready(self, w: _Worker) -> None:
+        """A starting worker spoke (or died)."""
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            self._startup_failed(f"worker {w.pid} died while starting (exit code {w.proc.exitcode})")
+        if msg[0] != "ready":
+            self._startup_failed(f"worker {w.pid}: its initializer raised {msg[1]}")
+        w.ready = True
+
+    def _ensure_pool(self) -> TimedPool:
+        """``workers`` live workers, all started: dead idle ones replaced (as the OOM killer leaves them)."""
+        for w in list(self._workers):
+            if w.ready and w.task is None and not w.proc.is_alive():
+                self._replace(w, "restarts")
+        if self._spare is not None and self._spare.ready and not self._spare.proc.is_alive():
+            self._spare.kill()
+            self._spare = None
+        while len(self._workers) < self.workers:
+            self._workers.append(self._spawn())
+        if (self.max_tasks or self.max_rss_mb) and self._spare is None:
+            self._spare = self._spawn()  # started ahead, so that a recycled worker's place never waits for a start
+        deadline = time.monotonic() + self.startup_timeout_s
+        while starting := [w for w in self._workers if not w.ready]:
+            objs = {w.conn: w for w in starting}
+            objs.update({w.proc.sentinel: w for w in starting})
+            ready = mpc.wait(list(objs), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._startup_failed("timed out")
+            for w in dict.fromkeys(objs[o] for o in ready):
+                self._on_ready(w)
+        return self
 
     def worker_pids(self) -> list[int]:
-        pool = self._pool
-        return sorted(p.pid for p in (getattr(pool, "_processes", None) or {}).values()) if pool else []
+        return sorted(w.pid for w in self._workers)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        workers, self._workers = self._workers + ([self._spare] if self._spare else []), []
+        self._spare = None
+        for w in workers:
+            w.stop()
+        self._reap_retiring(wait=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     # -- calls ----------------------------------------------------------------------------------------------------
 
@@ -152,46 +369,51 @@ class TimedPool:
         results: list[tuple[str, Any] | None] = [None] * n
         attempts = [0] * n
         pending = collections.deque(range(n))
-        inflight: dict[cf.Future, tuple[int, float]] = {}
         hard_limit = self.timeout_s + self.grace_s
-        while pending or inflight:
-            pool = self._ensure_pool()
-            # At most one call per worker in flight, so a call starts when it is submitted and its clock is honest.
-            broken = False
-            while pending and len(inflight) < self.workers and not broken:
-                i = pending.popleft()
-                attempts[i] += 1
-                try:
-                    fut = pool.submit(_run_one, fn, tuple(calls[i]), self.timeout_s)
-                except BrokenProcessPool:  # a worker died while idle
-                    attempts[i] -= 1
-                    pending.appendleft(i)
-                    broken = True
+        self._ensure_pool()
+        while pending or any(w.task for w in self._workers):
+            self._reap_retiring()
+            # One call per worker at a time, so a call starts when it is sent and its clock is honest.
+            for w in list(self._workers):
+                if not (pending and w.ready and w.task is None):
                     continue
-                inflight[fut] = (i, time.monotonic())
-            if broken:
-                self._abandon(inflight, attempts, pending, results, charge=True)
-                continue
-            first_deadline = min(start for _, start in inflight.values()) + hard_limit
-            done, _ = cf.wait(
-                inflight, timeout=max(0.0, first_deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED
-            )
-            for fut in done:
-                i, _ = inflight.pop(fut)
+                i = pending.popleft()
                 try:
-                    results[i] = fut.result()
-                except BrokenProcessPool:  # a worker died (segfault, OOM kill): we cannot tell which call did it
-                    broken = True
-                    self._retry_or_fail(i, attempts, pending, results)
+                    data = pickle.dumps((fn, tuple(calls[i]), self.timeout_s))
+                except Exception as e:  # noqa: BLE001 - this call's arguments, not the pool, are at fault
+                    results[i] = (ERROR, f"the call could not be pickled: {type(e).__name__}: {e}"[:500])
+                    continue
+                try:
+                    w.conn.send_bytes(data)
+                except OSError:  # the worker died while idle
+                    pending.appendleft(i)
+                    self._replace(w, "restarts")
+                    continue
+                attempts[i] += 1
+                w.task = (i, time.monotonic())
+            watched = [w for w in self._workers if w.task or not w.ready]
+            watched += [self._spare] if self._spare is not None and not self._spare.ready else []
+            if not watched:
+                continue
+            deadline = min(
+                (w.task[1] + hard_limit) if w.task else (w.started + self.startup_timeout_s) for w in watched
+            )
+            objs = {w.conn: w for w in watched}
+            objs.update({w.proc.sentinel: w for w in watched})
+            ready = mpc.wait(list(objs), timeout=max(0.0, deadline - time.monotonic()))
+            for w in dict.fromkeys(objs[o] for o in ready):
+                if not w.ready:
+                    self._on_ready(w)
+                else:
+                    self._on_reply(w, results, attempts, pending)
             now = time.monotonic()
-            expired = [f for f, (_, start) in inflight.items() if now - start >= hard_limit]
-            for fut in expired:
-                i, _ = inflight.pop(fut)
-                results[i] = (TIMEOUT, None)
-                self.counters["hard_timeouts"] += 1
-            if expired or broken:
-                # After a hard timeout the others in flight are innocent; after a crash any of them may be guilty.
-                self._abandon(inflight, attempts, pending, results, charge=broken)
+            for w in self._workers + ([self._spare] if self._spare else []):
+                if w.task and now - w.task[1] >= hard_limit:
+                    results[w.task[0]] = (TIMEOUT, None)
+                    self.counters["hard_timeouts"] += 1
+                    self._replace(w, "restarts")  # only this worker: the others' calls go on
+                elif not w.ready and now - w.started >= self.startup_timeout_s:
+                    self._startup_failed(f"worker {w.pid} timed out")
         for r in results:
             assert r is not None
             self.counters["calls"] += 1
@@ -199,18 +421,39 @@ class TimedPool:
             self.counters["errors"] += int(r[0] == ERROR)
         return results  # type: ignore[return-value]
 
-    def _abandon(self, inflight: dict, attempts: list[int], pending: collections.deque, results: list, charge: bool):
-        """Restart the pool; the calls in flight run again (``charge``: that counts as one of their two attempts)."""
-        for i, _ in inflight.values():
-            if not charge:
-                attempts[i] -= 1
-            self._retry_or_fail(i, attempts, pending, results)
-        inflight.clear()
-        self._restart()
-
-    @staticmethod
-    def _retry_or_fail(i: int, attempts: list[int], pending: collections.deque, results: list) -> None:
-        if attempts[i] >= 2:
-            results[i] = (ERROR, "worker process died")
-        else:
-            pending.appendleft(i)
+    def _on_reply(self, w: _Worker, results: list, attempts: list[int], pending: collections.deque) -> None:
+        """A busy worker answered, or died: the call it ran (and only that call) gets the outcome."""
+        data = None
+        try:
+            if w.conn.poll():
+                data = w.conn.recv_bytes()
+            elif w.proc.is_alive():
+                return  # woken by nothing we can read yet
+        except (EOFError, OSError):
+            pass
+        if data is None:  # dead, or its pipe closed (a process it forked may still hold it open: not an EOF then)
+            w.kill()
+            if w.task is not None:
+                i = w.task[0]
+                code = w.proc.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                if attempts[i] >= 2:
+                    results[i] = (ERROR, f"worker process died ({how}), twice on this call")
+                else:
+                    pending.appendleft(i)  # once more, in a fresh worker: a stray OOM kill is not the call's fault
+            self._replace(w, "restarts")
+            return
+        try:
+            reply = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - a value the trainer cannot unpickle fails its own call
+            reply = ((ERROR, f"the result could not be read back: {type(e).__name__}: {e}"[:500]), 0.0, 0)
+        (status_value, rss_mb, killed) = reply
+        i, _ = w.task  # type: ignore[misc]
+        results[i] = status_value
+        w.task = None
+        w.tasks += 1
+        self.counters["children_killed"] += killed
+        if self.max_tasks and w.tasks >= self.max_tasks:
+            self._recycle(w, f"{w.tasks} calls (max_tasks {self.max_tasks})")
+        elif self.max_rss_mb and rss_mb > self.max_rss_mb:
+            self._recycle(w, f"resident memory {rss_mb:.0f} MB > max_rss_mb {self.max_rss_mb:g}")

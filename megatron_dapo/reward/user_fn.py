@@ -7,7 +7,7 @@
 It is called with the keywords ``prompt``, ``response``, ``ground_truth`` and ``metadata`` (the row's
 ``data_source``, ``index``, ``source`` and its extra fields) and returns a number or a dict holding ``score`` and
 further numbers, logged per step as ``reward/<name>`` (their mean); an ``acc`` in the dict says the answer is correct
-(else: ``score > 0``). An ``async def`` works as it is. With ``reward.batched`` it gets one call per group with the
+(else: ``score > 0``). A number may be a Python or numpy one or a bool (``True`` is 1.0); NaN and inf are refused. An ``async def`` works as it is. With ``reward.batched`` it gets one call per group with the
 keywords ``prompts``, ``responses``, ``ground_truths``, ``metadatas`` (lists) and returns a list.
 
 Each call runs in a worker process (``reward.workers``; 0 = in the trainer's process, without a time limit) with a
@@ -15,6 +15,10 @@ time limit (``reward.timeout_s``). A call that raises, times out or returns some
 ``reward.failure_score``, is counted (``reward/errors``, ``reward/timeouts``) and the first one is logged with the
 function's name and the sample: one bad sample never stops a step. ``reward.max_consecutive_failures`` failures in a
 row (a function that fails on every sample) stop the run with that message.
+
+The workers contain the function (timed_pool.py): a worker is recycled after ``reward.worker_max_tasks`` calls and
+when its memory passes ``reward.worker_max_rss_mb``; the processes a call starts are killed when it ends; a call that
+kills its worker (``os._exit``, a segfault) fails only its own sample.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from megatron_dapo.config.plugins import load_callable
-from megatron_dapo.reward.timed_pool import ERROR, OK, TIMEOUT, TimedPool
+from megatron_dapo.reward.timed_pool import DEFAULT_MAX_RSS_MB, DEFAULT_MAX_TASKS, ERROR, OK, TIMEOUT, TimedPool
 
 log = logging.getLogger(__name__)
 _LOADED: dict[str, Any] = {}  # per process: spec -> function
@@ -46,9 +51,15 @@ def _function(spec: str):
 
 
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+    """A finite float from a Python or numpy number or bool (``True`` -> 1.0); anything else, NaN or inf: TypeError."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # np.float32(1), np.bool_, 0-d array
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} = {value!r} ({type(value).__name__}): must be a finite number or a bool")
+    number = float(value)
+    if not math.isfinite(number):
         raise TypeError(f"{what} = {value!r}: must be a finite number")
-    return float(value)
+    return number
 
 
 def normalize(out: Any) -> dict:
@@ -94,12 +105,24 @@ class UserRewardFn:
         failure_score: float = -1.0,
         batched: bool = False,
         max_consecutive_failures: int = 64,
+        worker_max_tasks: int = DEFAULT_MAX_TASKS,
+        worker_max_rss_mb: float = DEFAULT_MAX_RSS_MB,
     ):
         _function(spec)  # up front in the parent: a bad spec is a ConfigError naming reward.fn
         self.spec, self.batched, self.failure_score = spec, batched, float(failure_score)
         self.max_consecutive_failures = max_consecutive_failures
         self.timeout_s = timeout_s
-        self.pool = TimedPool(workers, timeout_s, name=f"reward.fn {spec}") if workers > 0 else None
+        self.pool = (
+            TimedPool(
+                workers,
+                timeout_s,
+                name=f"reward.fn {spec}",
+                max_tasks=worker_max_tasks,
+                max_rss_mb=worker_max_rss_mb,
+            )
+            if workers > 0
+            else None
+        )
         self.first_failure: str | None = None
         self.consecutive_failures = 0
 
