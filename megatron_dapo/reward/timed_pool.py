@@ -13,8 +13,10 @@ time per worker, and the parent knows which call each worker runs:
   worker (and its processes) and starts a new one. The other workers' calls go on untouched.
 * crash: a worker that dies (segfault, ``os._exit``, OOM kill) fails only the call it was running: that call runs once
   more in a fresh worker, then ends as an error; the calls running beside it are never charged.
-* processes: each worker is a child subreaper; when a call ends, every process it started (and their orphans) is
-  stopped and killed. A killed worker's processes are killed with it.
+* processes: each worker is a child subreaper in a process group of its own; when a call ends, every process it
+  started (and their orphans) is stopped and killed. A killed worker's processes are killed with it; a worker that
+  died leaves its processes orphaned, and the parent kills its process group (a process that left it with
+  ``setsid`` before the worker died escapes that).
 * memory: a worker is recycled (exits, a fresh one replaces it) after ``max_tasks`` calls and when its resident memory
   after a call passes ``max_rss_mb``; a spare worker, started ahead, takes its place at once. A call that allocates
   far past the limit within itself is not stopped (no ``RLIMIT_AS``: it would break numpy's and torch's reservations).
@@ -134,6 +136,7 @@ def kill_tree(root: psutil.Process, include_root: bool, keep: frozenset[int] = f
 def _worker_main(conn, initializer: Callable[[], None] | None) -> None:
     """A worker: ``(fn, args, timeout_s)`` in, ``((status, value), rss_mb, children_killed)`` out, until ``None``/EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us through the pipe
+    os.setsid()  # a process group of our own: if we die, the parent kills what we started through it
     _become_subreaper()
     try:
         if initializer is not None:
@@ -187,12 +190,22 @@ class _Worker:
     def pid(self) -> int:
         return self.proc.pid  # type: ignore[return-value]
 
+    def dead(self) -> bool:
+        """Whether the process has ended, asked without reaping it (``kill`` needs its pid to name its group)."""
+        return bool(mpc.wait([self.proc.sentinel], 0))
+
     def kill(self) -> None:
         """Kill this worker and every process it started, and reap it."""
-        if self.proc.exitcode is None:  # not reaped yet, so the pid is still this worker's
+        # Not reaped yet, so the pid (and the group it names) is still this worker's. ``Process.exitcode`` would reap it:
+        # read the private ``_popen.returncode`` that it sets (multiprocessing's own since Python 3.4).
+        if getattr(self.proc._popen, "returncode", None) is None:
             try:
                 kill_tree(psutil.Process(self.pid), include_root=True)
             except psutil.Error:
+                pass
+            try:  # what it started, orphaned when it died (all but those that left its group with setsid)
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
                 pass
         self.proc.join(timeout=5)
         self.conn.close()
@@ -319,9 +332,9 @@ class TimedPool:
     def _ensure_pool(self) -> TimedPool:
         """``workers`` live workers, all started: dead idle ones replaced (as the OOM killer leaves them)."""
         for w in list(self._workers):
-            if w.ready and w.task is None and not w.proc.is_alive():
+            if w.ready and w.task is None and w.dead():
                 self._replace(w, "restarts")
-        if self._spare is not None and self._spare.ready and not self._spare.proc.is_alive():
+        if self._spare is not None and self._spare.ready and self._spare.dead():
             self._spare.kill()
             self._spare = None
         while len(self._workers) < self.workers:
@@ -427,7 +440,7 @@ class TimedPool:
         try:
             if w.conn.poll():
                 data = w.conn.recv_bytes()
-            elif w.proc.is_alive():
+            elif not w.dead():
                 return  # woken by nothing we can read yet
         except (EOFError, OSError):
             pass

@@ -53,6 +53,12 @@ FUNCTIONS = textwrap.dedent(
             time.sleep(300)
         return 1.0
 
+    def forks_then_crashes(prompt, response, ground_truth, metadata):
+        child = subprocess.Popen(["sleep", "300"])
+        with open(ground_truth, "a") as f:
+            f.write(f"{child.pid}\\n")
+        os._exit(1)
+
     def crashes(prompt, response, ground_truth, metadata):
         if response == "crash":
             time.sleep(0.1)
@@ -142,6 +148,14 @@ def test_a_hard_timeout_kills_the_worker_s_processes_with_it(fns, tmp_path):
         assert out[0]["status"] == "timeout"
         started = [int(p) for p in pid_file.read_text().split()]
         assert len(started) == 2 and not _gone(started), started
+
+
+def test_a_call_that_kills_its_worker_takes_its_processes_with_it(fns, tmp_path):
+    pid_file = tmp_path / "pids"
+    with scorer(fns, "forks_then_crashes", workers=1) as s:
+        assert s.score("x", rows(1, str(pid_file))[0])["status"] == "error"
+        started = [int(p) for p in pid_file.read_text().split()]
+        assert len(started) == 2 and not _gone(started), started  # one per try
 
 
 def test_a_crashing_sample_costs_only_itself(fns):
