@@ -42,6 +42,7 @@ class RankStep:
 
     rank: int
     params: int = 0  # parameters the step's model holds
+    expert_params: int = 0  # of which the MoE experts' (``.mlp.experts.``)
     after: dict[str, int] = field(default_factory=dict)  # phase -> bytes alive when it ended
     peak: dict[str, int] = field(default_factory=dict)  # phase -> the most bytes alive during it
     parts: dict[str, int] = field(default_factory=dict)  # resident state by kind, from the live objects
@@ -391,6 +392,9 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
             actor = MegatronActor(cfg, arch)
         out.unmapped, out.unbuilt = _mapping_gaps(actor, arch)
         out.params = sum(p.numel() for m in actor.model for p in m.module.parameters())
+        out.expert_params = sum(
+            p.numel() for m in actor.model for n, p in m.module.named_parameters() if ".mlp.experts." in n
+        )
         # Adam's moments exist from the first update on: a short update first, so the measured one is a steady step
         tell("warmup")
         with tracker.phase("warmup", out):
