@@ -1,7 +1,9 @@
 """The GPU recipes rehearsed with their step (``dapo rehearse``: one rank per pipeline stage trains once on fake
 tensors, memory measured by torch), written where the docs and their test read them.
 
-    .venv/bin/python bench/rehearse_step.py [dapo_32b dapo_qwen3_32b dapo_qwen3_30b_a3b]   # minutes each, 2 cores
+    .venv/bin/python bench/rehearse_step.py [dapo_32b dapo_qwen3_32b]    # 2-4 minutes each on 2 cores
+    .venv/bin/python bench/rehearse_step.py --rerender                   # the docs from the stored steps (seconds)
+    .venv/bin/python bench/rehearse_step.py dapo_qwen3_30b_a3b           # MoE: ~30 min (3 steps of ~15 min)
 
 For each recipe: ``bench/results/rehearsal-<recipe>.json`` (the rehearsal, the measured steps included, the wall
 time), and the block between ``<!-- rehearse:<recipe> -->`` and ``<!-- /rehearse:<recipe> -->`` in
@@ -20,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "get-started.md"
 RESULTS = REPO / "bench" / "results"
-RECIPES = ("dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b")
+RECIPES = ("dapo_32b", "dapo_qwen3_32b")  # the docs' blocks; the MoE recipe's step is not recorded yet
 
 
 def docs_block(recipe: str, text: str, seconds: float, machine: str) -> str:
@@ -44,6 +46,8 @@ def main(argv: list[str]) -> int:
     from megatron_dapo.config.run_config import load_config
     from megatron_dapo.planning.rehearsal import as_dict, rehearse, render
 
+    if argv[:1] == ["--rerender"]:
+        return rerender(argv[1:] or RECIPES)
     machine = f"{os.cpu_count()} CPU cores"
     for recipe in argv or RECIPES:
         cfg = load_config(recipe, [])
@@ -55,6 +59,23 @@ def main(argv: list[str]) -> int:
         text = render(r)
         DOCS.write_text(replace_block(DOCS.read_text(), recipe, docs_block(recipe, text, seconds, machine)))
         print(f"{recipe}: {'OK' if r.ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr)
+    return 0
+
+
+def rerender(recipes) -> int:
+    """The docs' blocks again from the stored steps with today's code (the model's side changed, not the step)."""
+    from megatron_dapo.config.run_config import load_config
+    from megatron_dapo.planning.rank_step import RankStep
+    from megatron_dapo.planning.rehearsal import rehearse, render
+
+    for recipe in recipes:
+        stored = json.loads((RESULTS / f"rehearsal-{recipe}.json").read_text())
+        steps = {int(rank): RankStep.from_dict(st) for rank, st in stored["steps"].items()}
+        r = rehearse(load_config(recipe, []), stored["nodes"], stored["gpus_per_node"], recipe, measured=steps)
+        r.seconds = stored["seconds"]
+        block = docs_block(recipe, render(r), stored["wall_seconds"], stored["machine"])
+        DOCS.write_text(replace_block(DOCS.read_text(), recipe, block))
+        print(f"{recipe}: re-rendered ({'OK' if r.ok else 'FAILED'})", file=sys.stderr)
     return 0
 
 
