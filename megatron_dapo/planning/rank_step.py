@@ -178,6 +178,10 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     - MemTracker counts what runs under the fake mode: it skips ops under a fake mode other than the one active when
       it was entered (torch 2.13 distributed/_tools/mem_tracker.py:947, for DTensor's sharding propagation, which
       the actor does not use), and here the model is built under one;
+    - the tensor-parallel collectives' outputs (megatron-core tensor_parallel/mappings.py:91, :141, :148, :181:
+      ``torch.empty`` on the current device) are made under their fake input's mode: fake, like the input, where
+      they would be real host tensors of the same size (the same bytes counted, but real memory and real copies on
+      this machine: a recomputed MoE layer's all-gathered routed copies, 0.7 GiB each at the 30B recipe's length);
     - ``torch.compile`` is off (megatron-core's fused SwiGLU is compiled on GPU; fake tensors run it eagerly);
     - the TE stand-ins (``planning/te_standins.py``) in place of the TE spec;
     - a mixture of experts: the alltoall dispatcher's token counts and ``permute``'s ``masked_select`` are data (how
@@ -236,6 +240,20 @@ def rehearsal_world(rank: int, world: int, cfg: DapoConfig) -> Iterator[None]:
     saved[(export, "recv_manifest")] = export.recv_manifest
     code = export._DTYPE_CODES.index(DTYPES[cfg.model.dtype])
     export.recv_manifest = lambda stage, expected, src, device: [code] * expected
+    from megatron.core.tensor_parallel import mappings
+
+    def on_its_mode(real):
+        def run(input_, *args, **kwargs):
+            if not isinstance(input_, FakeTensor):
+                return real(input_, *args, **kwargs)
+            with input_.fake_mode:
+                return real(input_, *args, **kwargs)
+
+        return run
+
+    for name in ("_gather_along_first_dim", "_gather_along_last_dim", "_reduce_scatter_along_first_dim"):
+        saved[(mappings, name)] = getattr(mappings, name)
+        setattr(mappings, name, on_its_mode(getattr(mappings, name)))
     from megatron_dapo.actor import routes
 
     saved[(routes, "agreement")] = routes.agreement
