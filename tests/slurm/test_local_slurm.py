@@ -115,7 +115,8 @@ def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
     for s in servers:
         cmd = " ".join(s["command"])
         assert f"-m sglang.launch_server --model-path {inputs['HF_CKPT']}" in cmd
-        assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--mem-fraction-static 0.62" in cmd
+        assert "--tp-size 4" in cmd and "--dp-size" not in cmd and "--mem-fraction-static 0.6 " in cmd
+        assert "--enable-memory-saver --disable-prefill-cuda-graph" in cmd  # colocated: no breakable prefill graphs
         assert f"--base-gpu-id {s['engine']['base_gpu_id']}" in cmd
         assert "--enable-deterministic-inference" in cmd and "--enable-memory-saver" in cmd
         assert "--export=ALL,SGLANG_RETURN_ORIGINAL_LOGPROB=0,SGLANG_MEMORY_SAVER_CUDA_GRAPH=1" in s["srun"]
