@@ -390,6 +390,7 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
     """Inside ``rehearsal_world``: build the actor, one update, the optimizer step, the logprob pass and the export,
     each a phase of the returned ``RankStep`` (``progress(phase)`` as each starts)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_dapo.actor.actor import MegatronActor
@@ -403,6 +404,10 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
     out = RankStep(rank=dist.get_rank())
     tracker = _Tracker()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    # the samples are the host's (the actor packs each micro-batch and moves it to the GPU, counted there): made before
+    # the tracker counts, as an MoE's routes are big (Qwen3-30B-A3B: 69 MB a 22k-token sample, every layer's)
+    dp = ps.get_data_parallel_world_size()
+    warm, seqs = _sequences(cfg, dp, arch, 64), _sequences(cfg, dp * max(cfg.parallel.pp, 1), arch)
     with tracker.mt, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core: "Apex is not installed", per module
         tell("build")
@@ -416,8 +421,8 @@ def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:
         # Adam's moments exist from the first update on: a short update first, so the measured one is a steady step
         tell("warmup")
         with tracker.phase("warmup", out):
-            actor.update_mini_batch(_sequences(cfg, actor.dp_size, arch, 64), StepTally(0.0), False)
-        seqs = _sequences(cfg, actor.dp_size * max(cfg.parallel.pp, 1), arch)
+            actor.update_mini_batch(warm, StepTally(0.0), False)
+        assert actor.dp_size == dp
         out.micro_batch_tokens = actor.micro_batch_tokens
         tell("train")
         tally = StepTally(time.perf_counter())
