@@ -23,6 +23,14 @@ rank's routed tokens over the mean). With EP = 1 every rank holds all the expert
 ``tokens × topk`` copies of each TP peer (the all-to-all is the identity: tensor_parallel/mappings.py:430), whatever
 the routing: no imbalance is possible.
 
+Not replaced: the aux loss (``moe_aux_loss_coeff``; router.py:275-313, moe_utils.py:46-133 and :214-234) is tensor
+arithmetic on the counts (a sum, an all-reduce over TP × CP, a product with the probabilities), no sizes read from
+data: it runs as is, and its logged value (``train/moe_load_balancing_loss``) reads 1 like any fake number. Routing
+replay: the step keeps the recipe's (``rank_step.step_config``); the samples carry routes that spread the tokens evenly
+(``rank_step.balanced_routes``) and the routers replay them (router_replay.py:116-161, a gather of the given indices)
+in every forward and, under full recompute, in the recomputed one. The routing map is a fake tensor either way, so the
+counts are this module's either way.
+
 Also replaced, in ``preprocess``: the dispatcher's chunk orders ``sort_input_by_local_experts`` and
 ``restore_output_by_local_experts`` (token_dispatcher.py:405-416), index tensors megatron-core builds with
 ``torch.arange`` in ``__init__``, which the step's build runs under its fake mode: the same values, as real tensors
