@@ -114,3 +114,21 @@ def pytest_runtest_protocol(item, nextitem):
     with open(out, "a") as f:
         row = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2), "cpu_s": round(cpu() - used, 2)}
         f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group_ends_with_its_module():
+    """A module that starts torch.distributed in this process (tests/unit/bridge_helpers.py ``init_single_process``)
+    leaves it to the next module on the same xdist worker, which may need a process of its own (the control walk
+    starts the fake backend and refuses an initialized one): each module ends with megatron's parallel state and the
+    default process group destroyed, if it made them."""
+    import sys
+
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -33,8 +33,8 @@ PARTIAL = ["rollout.partial=true", "algo.gen_batch_prompts=12"]
 HISTORY = ("train/", "eval/", "rollout/")  # what must not depend on where the run was cut (time/* does)
 
 
-def submit(local_slurm, tmp_path: Path, *args: str) -> str:
-    return local_slurm.submit(f"--output={tmp_path}/job.out", f"--export=ALL,RUN_DIR={tmp_path}/runs", *args)
+def submit(local_slurm, tmp_path: Path, *args: str, export: str = "") -> str:
+    return local_slurm.submit(f"--output={tmp_path}/job.out", f"--export=ALL,RUN_DIR={tmp_path}/runs{export}", *args)
 
 
 def wait_requeued_then_done(local_slurm, job: str, timeout: float) -> tuple[str, int]:
@@ -58,14 +58,17 @@ def test_time_limit_signal_saves_requeues_and_resumes(local_slurm, tmp_path):
     again (same limit) or, failing that, the driver's end-time backstop, saves step 2 and the job completes. The real trainer's part is tests/e2e/test_reliability."""
     run = tmp_path / "runs" / "probe"
     probe = f"{{python}} {HERE}/stop_probe.py --run-dir {run} --wait-s 150 --resume {{resume}}"
+    # the driver's backstop 20 s before the end (not the tiny sbatch's 60): Slurm's signal, due at once, has 100 s, over
+    # three of slurmctld's 30 s time-limit checks (a CI run under load saw neither allocation signalled within 60 s)
     job = submit(local_slurm, tmp_path, "--nodes=1", "--time=2", "--signal=B:USR1@110", "slurm/dapo_tiny_cpu.sbatch",
-                 "--trainer-cmd", probe, "parallel.tp=1", "train.steps=2", "train.name=probe")  # fmt: skip
+                 "--trainer-cmd", probe, "parallel.tp=1", "train.steps=2", "train.name=probe",
+                 export=",DAPO_STOP_BEFORE=20")  # fmt: skip
     state, restarts = wait_requeued_then_done(local_slurm, job, 280)
     out = (tmp_path / "job.out").read_text()  # both allocations (--open-mode=append)
     assert (state, restarts) == ("COMPLETED", 1), out[-5000:]
     records = [json.loads(line) for line in (run / "probe.log").read_text().splitlines()]
     # each allocation stops on Slurm's signal or, should Slurm not send it (observed once on a requeued allocation
-    # of this Slurm 22.05 under load), on the driver's own reading of the end time (DAPO_STOP_BEFORE=60 < 110)
+    # of this Slurm 22.05 under load), on the driver's own reading of the end time (DAPO_STOP_BEFORE=20 < 110)
     assert [(r["restart"], r["argv"]) for r in records] == [("0", ["--resume", "auto"]), ("1", ["--resume", "auto"])]
     reasons = [r["stop"] for r in records]
     assert all(x == "SIGUSR1 to the batch script" or x.startswith("the time limit is ") for x in reasons), records
