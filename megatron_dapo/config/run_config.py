@@ -88,6 +88,16 @@ class SamplingConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """One sample's tool budget (rollouts/tools.py ToolBudget), for rollout functions that take ``tool_budget``
+    (the tool agent does); a call over it is refused with an error the model reads."""
+
+    calls_per_turn: int = 8
+    calls_per_sample: int = 32
+    wall_s_per_sample: float = 120.0  # tool wall-clock seconds per sample: the sandbox is cut to what is left
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = "hf"
     # sglang but the sglang package is not installed: the in-process HF engine generates instead, said at start
@@ -153,6 +163,7 @@ class RolloutConfig:
     generate: str | None = None
     generate_args: dict = field(default_factory=dict)
     generate_concurrency: int = 64  # rollout-function calls running at once (threads)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
 @dataclass

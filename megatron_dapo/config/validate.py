@@ -56,6 +56,9 @@ _IGNORED_WHEN = {
     "rollout.stream_order": (lambda c: c.rollout.schedule != "stream", "rollout.schedule = {rollout.schedule!r}"),
     "rollout.generate_args": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.generate_concurrency": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.tools.calls_per_turn": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.tools.calls_per_sample": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
+    "rollout.tools.wall_s_per_sample": (lambda c: c.rollout.generate is None, "rollout.generate = null"),
     "rollout.max_staleness": (lambda c: c.rollout.schedule != "async", "rollout.schedule = {rollout.schedule!r}"),
     "model.fp8_recipe": (lambda c: c.model.fp8 is None, "model.fp8 = null"),
     **{
@@ -310,6 +313,11 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("eval.n", cfg.eval.n, "must be >= 1")
     if r.generate_concurrency < 1:
         fail("rollout.generate_concurrency", r.generate_concurrency, "must be >= 1")
+    for key in ("calls_per_turn", "calls_per_sample"):
+        if getattr(r.tools, key) < 1:
+            fail(f"rollout.tools.{key}", getattr(r.tools, key), "must be >= 1")
+    if r.tools.wall_s_per_sample <= 0:
+        fail("rollout.tools.wall_s_per_sample", r.tools.wall_s_per_sample, "must be > 0")
     rw = cfg.reward
     if rw.workers < 0:
         fail("reward.workers", rw.workers, "must be >= 0 (0 = in the trainer's process)")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import hashlib
+import inspect
 import queue
 import threading
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from typing import Any
 
 from megatron_dapo.algo.offpolicy import settle_finish
 from megatron_dapo.config.plugins import load_callable
+from megatron_dapo.rollouts.tools import ToolBudget
 from megatron_dapo.types import GenRequest, RolloutInput, RolloutOutput, Sample, SamplingParams, sample_seed
 
 
@@ -183,9 +186,12 @@ class ResumingClient:
 class FunctionRollouts:
     """``rollout.generate``: the user's function per sample, on threads; groups of ``n`` Samples as they complete."""
 
-    def __init__(self, spec: str, generate_args: dict, concurrency: int, engine, tokenizer: Any):
+    def __init__(self, spec: str, generate_args: dict, concurrency: int, engine, tokenizer: Any, tools: Any = None):
         self.spec, self.fn = spec, load_callable(spec, "rollout.generate")
         self.args, self.concurrency = dict(generate_args), concurrency
+        # a function taking ``tool_budget`` gets a fresh one per sample, made from rollout.tools
+        takes_budget = tools is not None and "tool_budget" in inspect.signature(self.fn).parameters
+        self._budget = dataclasses.asdict(tools) if takes_budget else None
         self.engine, self.tokenizer = engine, tokenizer
         self._cancelled = threading.Event()
         self._sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -268,7 +274,8 @@ class FunctionRollouts:
             seed=sample_seed(sampling.seed, p, j),
         )
         try:
-            out = self.fn(client, inp, sampling, **self.args)
+            extra = {} if self._budget is None else {"tool_budget": ToolBudget(**self._budget)}
+            out = self.fn(client, inp, sampling, **self.args, **extra)
         except RolloutAborted:
             return None
         except Exception as e:
@@ -314,4 +321,4 @@ def make_rollouts(cfg: Any, engine, tokenizer: Any) -> EngineRollouts | Function
     r = cfg.rollout
     if r.generate is None:
         return EngineRollouts(engine)
-    return FunctionRollouts(r.generate, r.generate_args, r.generate_concurrency, engine, tokenizer)
+    return FunctionRollouts(r.generate, r.generate_args, r.generate_concurrency, engine, tokenizer, r.tools)

@@ -2,7 +2,7 @@
 
     rollout:
       generate: megatron_dapo.rollouts.tool_agent:generate
-      generate_args: {tools: [calculator, python], max_turns: 4, python: {wall_s: 10, memory_mb: 512}}
+      generate_args: {tools: [calculator, python], max_turns: 4, python: {wall_s: 10, memory_mb: 2048}}
 
 Each turn the engine continues the context (prompt + everything so far, as token ids: what the model generated is
 never re-tokenized). When a turn ends (EOS or a stop token) its text is searched for tool calls in the Qwen / Hermes
@@ -15,6 +15,10 @@ length (which counts the model's own tokens: it exists to teach the model to be 
 model's to shorten). The whole response (model and tool tokens) stays within ``rollout.sampling.max_new_tokens``, so it
 fits the trainer's sequence length; a tool output that would overflow it is cut and the sample ends as 'length'.
 
+Budgets: ``rollout.tools`` (calls per turn and per sample, tool seconds per sample; rollouts/tools.py ToolBudget),
+passed by the trainer as ``tool_budget``; a refused call is an error message the model reads, counted as
+``rollout/tool_refused``.
+
 Tools: ``tools`` in generate_args (``calculator``, ``python``, or ``{name: "package.module:function"}``); a row's
 ``tools`` field (OpenAI function declarations, as the data format and chat templates carry them) narrows them to the
 ones it declares. The markers are arguments too, for a chat template that writes them differently.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from megatron_dapo.rollouts.tools import call_tool, make_tools
+from megatron_dapo.rollouts.tools import ToolBudget, make_tools
 from megatron_dapo.types import RolloutInput, RolloutOutput, SamplingParams, sample_seed
 
 QWEN = {
@@ -84,6 +88,7 @@ def generate(
     tools: list | None = None,
     max_turns: int = 4,
     python: dict | None = None,
+    tool_budget: ToolBudget | None = None,
     **markers: str,
 ) -> RolloutOutput:
     fmt = {**QWEN, **markers}
@@ -95,6 +100,7 @@ def generate(
         names = {d.get("function", d).get("name") for d in declared if isinstance(d, dict)}
         available = {k: v for k, v in available.items() if k in names}
     budget = sampling.max_new_tokens
+    tool_budget = tool_budget or ToolBudget()  # the trainer passes rollout.tools; these are its defaults
     response, logprobs, mask = [], [], []
     turns = calls = errors = 0
     finish = "stop"
@@ -112,8 +118,9 @@ def generate(
         if not found or turns >= max_turns:
             break
         outputs = []
+        tool_budget.new_turn()
         for name, arguments in found:
-            out, ok = (arguments, False) if name is None else call_tool(available, name, arguments)
+            out, ok = (arguments, False) if name is None else tool_budget.call(available, name, arguments)
             calls += 1
             errors += int(not ok)
             outputs.append(out)
@@ -131,5 +138,6 @@ def generate(
         response += ids
         logprobs += [0.0] * len(ids)
         mask += [0] * len(ids)
-    metrics = {"turns": turns, "tool_calls": calls, "tool_errors": errors, "used_tools": float(calls > 0)}
+    metrics = {"turns": turns, "tool_calls": calls, "tool_errors": errors, "used_tools": float(calls > 0),
+               "tool_refused": tool_budget.refused, "tool_wall_s": tool_budget.wall_s}  # fmt: skip
     return RolloutOutput(response, logprobs, mask, finish, metrics=metrics)

@@ -6,19 +6,31 @@
 A tool takes the call's ``arguments`` (a dict) and returns text: the tool's output the model reads next. A failure is
 text too (``error: ...``), so a bad call teaches the model instead of stopping the run. ``TOOL_SCHEMAS`` holds the
 declarations a chat template shows the model (OpenAI function format, as ``apply_chat_template(tools=...)`` takes).
+
+``ToolBudget`` is one sample's share (``rollout.tools``): calls per turn, calls per sample and tool wall-clock seconds
+per sample. A call over it is not run: the model reads an error saying which budget, and the sample goes on. The
+sandbox's wall-clock limit is cut to what the sample has left, so no sample holds a step longer than its budget (a
+user's own tool runs in the trainer's process and cannot be cut short: its time is counted and refuses later calls).
 """
 
 from __future__ import annotations
 
 import ast
+import contextvars
+import logging
 import operator
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.config.plugins import load_callable
-from megatron_dapo.rollouts.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from megatron_dapo.rollouts.sandbox import SandboxLimits, SandboxUnavailable, isolation_path, run_python
 
 Tool = Callable[[dict], str]
+log = logging.getLogger(__name__)
+# the running call's deadline (time.monotonic), set by ToolBudget.call: the sandbox ends by it
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tool_deadline", default=None)
 
 TOOL_SCHEMAS = {
     "calculator": {
@@ -100,7 +112,7 @@ def python_tool(limits: SandboxLimits, allow_unisolated: bool = False) -> Tool:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return "error: no code (the call needs a 'code' argument)"
-        return run_python(code, limits, allow_unisolated).output
+        return run_python(code, limits, allow_unisolated, deadline=_DEADLINE.get()).output
 
     return run
 
@@ -118,6 +130,7 @@ def make_tools(names: list, python: dict | None = None) -> dict[str, Tool]:
             tools["calculator"] = calculator
         elif entry == "python":
             tools["python"] = python_tool(SandboxLimits(**python), allow)
+            log.info("python tool: sandbox with %s", isolation_path())
         else:
             raise ValueError(
                 f"tool {entry!r}: unknown; built in: calculator, python (or {{name: 'package.module:function'}})"
@@ -156,3 +169,45 @@ def call_tool(tools: dict[str, Tool], name: Any, arguments: Any) -> tuple[str, b
     if len(out) > MAX_OUTPUT_CHARS:
         out = out[:MAX_OUTPUT_CHARS] + f"\n[output cut at {MAX_OUTPUT_CHARS} characters]"
     return out, not out.startswith("error:") and "\nerror: " not in out
+
+
+@dataclass
+class ToolBudget:
+    """One sample's tool budget (``rollout.tools``); ``call`` runs a tool within it. Counts what it refused."""
+
+    calls_per_turn: int = 8
+    calls_per_sample: int = 32
+    wall_s_per_sample: float = 120.0
+    calls: int = field(default=0, init=False)
+    turn_calls: int = field(default=0, init=False)
+    refused: int = field(default=0, init=False)
+    wall_s: float = field(default=0.0, init=False)  # tool time spent so far
+
+    def new_turn(self) -> None:
+        self.turn_calls = 0
+
+    def over(self) -> str | None:
+        """Why the next call would be refused, or None."""
+        if self.turn_calls >= self.calls_per_turn:
+            return f"over the budget of {self.calls_per_turn} tool calls per turn (rollout.tools.calls_per_turn)"
+        if self.calls >= self.calls_per_sample:
+            return f"over the budget of {self.calls_per_sample} tool calls per sample (rollout.tools.calls_per_sample)"
+        if self.wall_s >= self.wall_s_per_sample:
+            return (f"the sample's {self.wall_s_per_sample:g} s of tool time are spent "
+                    "(rollout.tools.wall_s_per_sample)")  # fmt: skip
+        return None
+
+    def call(self, tools: dict[str, Tool], name: Any, arguments: Any) -> tuple[str, bool]:
+        """``call_tool`` within the budget: a refused call is an error the model reads (not run, not counted)."""
+        if (why := self.over()) is not None:
+            self.refused += 1
+            return f"error: not run: {why}; answer with what you have", False
+        self.calls += 1
+        self.turn_calls += 1
+        start = time.monotonic()
+        token = _DEADLINE.set(start + self.wall_s_per_sample - self.wall_s)
+        try:
+            return call_tool(tools, name, arguments)
+        finally:
+            _DEADLINE.reset(token)
+            self.wall_s += time.monotonic() - start

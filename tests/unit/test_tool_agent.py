@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
 from megatron_dapo.data.dataset import PromptItem
 from megatron_dapo.loop.rollout_fn import FunctionRollouts, RolloutAborted, RolloutClient
 from megatron_dapo.rollouts import tool_agent
-from megatron_dapo.rollouts.tools import calculator, call_tool, make_tools
+from megatron_dapo.rollouts.sandbox import isolation_problem
+from megatron_dapo.rollouts.tools import ToolBudget, calculator, call_tool, make_tools
 from megatron_dapo.types import RolloutInput, RolloutOutput, Sample, SamplingParams, TokenizerInfo
 
 EOS = 1
@@ -79,6 +81,12 @@ class Client:
         return self.tokenizer.decode(ids)
 
 
+@pytest.fixture
+def isolated_sandbox():
+    if (problem := isolation_problem()) is not None:
+        pytest.skip(f"no sandbox isolation here: {problem}")
+
+
 def item(tools=None, seed=7):
     prompt = TOK.encode("<|im_start|>user\nWhat is 4821*37?<|im_end|>\n<|im_start|>assistant\n")
     return RolloutInput(prompt, "", [], "178377", {"tools": tools} if tools else {}, 0, seed)
@@ -88,7 +96,8 @@ def test_a_two_turn_response_is_the_engines_tokens_and_the_tool_output_masked():
     engine = ScriptedEngine()
     inp = item()
     out = tool_agent.generate(Client(engine), inp, SamplingParams(max_new_tokens=400), tools=["calculator"])
-    assert out.metrics == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "used_tools": 1.0}
+    assert out.metrics.pop("tool_wall_s") >= 0
+    assert out.metrics == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "used_tools": 1.0, "tool_refused": 0}
     (turn1, lp1), (turn2, lp2) = engine.generated
     inserted = TOK.encode(
         "\n<|im_start|>user\n<tool_response>\n178377\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -107,6 +116,59 @@ def test_the_total_budget_and_the_turn_limit_hold():
     for budget in (50, 150, 190):  # cut: in turn 1, in the tool output, in the answer (the whole is 195)
         out = tool_agent.generate(Client(ScriptedEngine()), item(), SamplingParams(max_new_tokens=budget))
         assert len(out.response_ids) <= budget and out.finish_reason == "length"
+
+
+def calls(*codes: str, name: str = "python") -> str:
+    return "".join(f"<tool_call>\n{json.dumps({'name': name, 'arguments': {'code': c}})}\n</tool_call>" for c in codes)
+
+
+def test_calls_over_the_turn_and_sample_budgets_are_refused_as_errors_the_model_reads(monkeypatch):
+    """rollout.tools: a call over its budget is not run; the model reads which budget, the sample goes on."""
+    ran = []
+    monkeypatch.setitem(
+        tool_agent._TOOLSETS, json.dumps([["echo"], None], sort_keys=True), {"echo": lambda a: ran.append(a) or "ok"}
+    )
+    turn = '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>'
+    engine = ScriptedEngine(first=turn * 3, then=turn * 3)  # three calls every turn
+    budget = ToolBudget(calls_per_turn=2, calls_per_sample=3, wall_s_per_sample=60)
+    out = tool_agent.generate(
+        Client(engine), item(), SamplingParams(max_new_tokens=4000), tools=["echo"], max_turns=3, tool_budget=budget
+    )
+    text = TOK.decode(out.response_ids)
+    assert len(ran) == 3  # 2 in turn 1, 1 in turn 2; the rest refused
+    assert text.count("over the budget of 2 tool calls per turn (rollout.tools.calls_per_turn)") == 1
+    assert text.count("over the budget of 3 tool calls per sample (rollout.tools.calls_per_sample)") == 2
+    assert out.metrics["tool_refused"] == 3 and out.metrics["tool_calls"] == 6 and out.metrics["turns"] == 3
+
+
+def test_a_sample_holds_the_step_no_longer_than_its_tool_time(isolated_sandbox):
+    """Each call is cut to the sample's remaining tool time, then calls are refused: four 30 s sleeps in a 3 s budget
+    end in about 3 s."""
+    engine = ScriptedEngine(
+        first=calls(*["import time; time.sleep(30)"] * 2), then=calls("import time; time.sleep(30)")
+    )
+    budget = ToolBudget(calls_per_turn=8, calls_per_sample=8, wall_s_per_sample=3)
+    start = time.monotonic()
+    out = tool_agent.generate(
+        Client(engine), item(), SamplingParams(max_new_tokens=4000), tools=["python"], max_turns=3,
+        python={"wall_s": 30}, tool_budget=budget,
+    )  # fmt: skip
+    took = time.monotonic() - start
+    text = TOK.decode(out.response_ids)
+    assert took < 3 + 4, took  # the budget and a sandbox's start-up, not 4 x 30 s
+    assert "error: timed out after" in text and "tool time are spent (rollout.tools.wall_s_per_sample)" in text
+    assert out.metrics["tool_refused"] == 2 and 3 <= out.metrics["tool_wall_s"] < 3 + 2
+
+
+def test_the_trainer_passes_rollout_tools_to_functions_that_take_a_budget():
+    from megatron_dapo.config.run_config import ToolsConfig
+
+    engine = ScriptedEngine(first=CALL * 3)
+    args = {"tools": ["calculator"], "max_turns": 2}
+    runner = FunctionRollouts(tool_agent.__name__ + ":generate", args, 2, engine, TOK, ToolsConfig(calls_per_turn=1))
+    groups = list(runner.stream(prompt_items(1), SamplingParams(max_new_tokens=2000, seed=1), n=2))
+    assert all("rollout.tools.calls_per_turn" in s.text for g in groups for s in g)
+    assert runner.metrics()["rollout/tool_refused"] == 2.0
 
 
 def test_bad_calls_become_error_text_the_model_reads():
@@ -176,11 +238,14 @@ def test_the_seam_turns_rollout_functions_into_groups_with_their_masks(tmp_path,
     for g in groups:
         assert [s.sample_index for s in g] == [0, 1] and all(s.weight_version == 3 for s in g)
         assert all(0 in s.loss_mask and s.text.endswith("Answer: 178377") for s in g)
-    assert runner.metrics(reset=True) == {
+    metrics = runner.metrics(reset=True)
+    assert metrics.pop("rollout/tool_wall_s") >= 0
+    assert metrics == {
         "rollout/turns": 2.0,
         "rollout/tool_calls": 1.0,
         "rollout/tool_errors": 0.0,
         "rollout/used_tools": 1.0,
+        "rollout/tool_refused": 0.0,
     }
 
 
