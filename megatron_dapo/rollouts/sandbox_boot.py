@@ -20,9 +20,9 @@ import signal
 import struct
 import sys
 
-header, _, code = sys.stdin.buffer.read().partition(b"\n")
-cfg = json.loads(header)
+cfg: dict = {}  # the settings (main reads them from stdin)
 libc = ctypes.CDLL(None, use_errno=True)
+PROGRAM = "main.py"  # the code's file in /work
 NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
 NEWCGROUP = 0x2000000
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
@@ -163,95 +163,132 @@ def run_code():
         os._exit(97)
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
-    os.execve(cfg["python"], [cfg["python"], "-I", "-S", "main.py"], cfg["env"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "-S", PROGRAM], cfg["env"])
 
 
-if not cfg["isolate"]:  # limits only, in the host folder the trainer made (rollouts/sandbox.py says when)
-    os.chdir(cfg["work"])
-    if os.getuid() == 0:  # the slot's uid: RLIMIT_NPROC binds it, and it counts this call alone
-        os.setgroups([])
-        os.setgid(cfg["drop_to"])
-        os.setuid(cfg["drop_to"])
-    run_code()
+def exit_status(status: int) -> int:
+    return os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
-libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the trainer gone: this process and the namespace with it
-if os.getppid() != cfg["parent"]:
-    os._exit(97)
-root_user = os.getuid() == 0
-uid, gid = os.getuid(), os.getgid()
-if libc.unshare(NEWNS | NEWUTS | NEWIPC | NEWPID | NEWNET | (0 if root_user else NEWUSER)) != 0:
-    fail("unshare")
-if not root_user:
-    write("/proc/self/setgroups", "deny")
-    write("/proc/self/uid_map", f"0 {uid} 1")
-    write("/proc/self/gid_map", f"0 {gid} 1")
-alive_r, alive_w = os.pipe()  # process 1 reads EOF here once this process is gone
-child = os.fork()  # process 1 of the new PID namespace
-if child:  # SIGTERM (the trainer's timeout): process 1 killed; it is reaped once all of its namespace is gone
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
-    _, status = os.waitpid(child, 0)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
-os.close(alive_w)
-mount(None, "/", None, REC | PRIVATE)
-root = cfg["root"]
-mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=1m,mode=755")
-for path in cfg["ro_binds"]:
-    if os.path.islink(path):
-        os.makedirs(os.path.dirname(root + path), exist_ok=True)
-        os.symlink(os.readlink(path), root + path)
-    elif os.path.exists(path):
-        bind_ro(path, root)
-os.makedirs(root + "/dev", exist_ok=True)
-for dev in ("null", "zero", "urandom", "random"):
-    open(root + "/dev/" + dev, "a").close()
-    mount("/dev/" + dev, root + "/dev/" + dev, None, BIND)
-# /work and /tmp: one tmpfs (one size and inode budget), bound twice, its own mount point detached
-rw, owner = root + "/.rw", (cfg["drop_to"] if root_user else 0)
-os.makedirs(rw)
-mount("tmpfs", rw, "tmpfs", NOSUID | NODEV, f"size={cfg['disk_mb']}m,nr_inodes={cfg['disk_files']},mode=755")
-for name, mode in (("work", 0o700), ("tmp", 0o1777)):
-    os.makedirs(rw + "/" + name)
-    os.chmod(rw + "/" + name, mode)
-    os.chown(rw + "/" + name, owner, owner)
-    os.makedirs(root + "/" + name)
-    mount(rw + "/" + name, root + "/" + name, None, BIND)
-with open(rw + "/work/main.py", "wb") as f:
-    f.write(code)
-os.chown(rw + "/work/main.py", owner, owner)
-if libc.umount2(rw.encode(), 2) != 0:  # MNT_DETACH
-    fail(f"umount {rw}")
-os.rmdir(rw)
-os.makedirs(root + "/proc")
-mount("proc", root + "/proc", "proc", NOSUID | NODEV | NOEXEC)
-os.chdir(root)
-os.makedirs(".old")
-if PIVOT_ROOT is None or libc.syscall(PIVOT_ROOT, b".", b".old") != 0:
-    fail("pivot_root")
-os.chdir("/")
-if libc.umount2(b"/.old", 2) != 0:
-    fail("umount the old root")
-os.rmdir("/.old")
-mount(None, "/", None, REMOUNT | RDONLY | NOSUID | NODEV)
-libc.sethostname(b"sandbox", 7)
-if root_user:
+
+def drop_to_slot_uid():
+    """Root becomes the slot's uid: RLIMIT_NPROC binds it, and it counts this call alone."""
     os.setgroups([])
     os.setgid(cfg["drop_to"])
     os.setuid(cfg["drop_to"])
-# killing the bootstrap ends the namespace and all in it (set after setuid, which clears it; the pipe's EOF says
-# whether the bootstrap died before)
-libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-if select.select([alive_r], [], [], 0)[0]:
-    os._exit(97)
-os.close(alive_r)
-libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-os.chdir("/work")
-signal.signal(signal.SIGALRM, lambda *_: os._exit(124))  # the wall-clock limit, held here too
-signal.alarm(int(cfg["wall_s"]) + 5)
-code_pid = os.fork()  # the code runs as process 2: limits kill it as they would anywhere (init ignores SIGXCPU)
-if code_pid == 0:
-    signal.alarm(0)
+
+
+def unisolated():
+    """Limits only, in the host folder the trainer made (rollouts/sandbox.py says when)."""
+    os.chdir(cfg["work"])
+    if os.getuid() == 0:
+        drop_to_slot_uid()
     run_code()
-while True:  # process 1: reap until the code's process ends, then end the namespace with its status
-    pid, status = os.wait()
-    if pid == code_pid:
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def enter_namespaces() -> int:
+    """Returns in process 1 of the new namespaces, with the read end of a pipe whose EOF says the bootstrap (this
+    process, which stays outside to wait for process 1) is gone."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the trainer gone: this process and the namespace with it
+    if os.getppid() != cfg["parent"]:
+        os._exit(97)
+    root_user = os.getuid() == 0
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(NEWNS | NEWUTS | NEWIPC | NEWPID | NEWNET | (0 if root_user else NEWUSER)) != 0:
+        fail("unshare")
+    if not root_user:
+        write("/proc/self/setgroups", "deny")
+        write("/proc/self/uid_map", f"0 {uid} 1")
+        write("/proc/self/gid_map", f"0 {gid} 1")
+    alive_r, alive_w = os.pipe()
+    child = os.fork()  # process 1 of the new PID namespace
+    if child:  # SIGTERM (the trainer's timeout): process 1 killed; it is reaped once all of its namespace is gone
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
+        _, status = os.waitpid(child, 0)
+        os._exit(exit_status(status))
+    os.close(alive_w)
+    return alive_r
+
+
+def build_root(code: bytes, root_user: bool) -> None:
+    """The sandbox's file system, then pivot_root into it: an empty tmpfs, the read-only binds, a few devices,
+    /work and /tmp (one tmpfs: one size and inode budget, bound twice, its own mount point detached), /proc."""
+    mount(None, "/", None, REC | PRIVATE)
+    root = cfg["root"]
+    mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=1m,mode=755")
+    for path in cfg["ro_binds"]:
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.exists(path):
+            bind_ro(path, root)
+    os.makedirs(root + "/dev", exist_ok=True)
+    for dev in ("null", "zero", "urandom", "random"):
+        open(root + "/dev/" + dev, "a").close()
+        mount("/dev/" + dev, root + "/dev/" + dev, None, BIND)
+    rw, owner = root + "/.rw", (cfg["drop_to"] if root_user else 0)
+    os.makedirs(rw)
+    mount("tmpfs", rw, "tmpfs", NOSUID | NODEV, f"size={cfg['disk_mb']}m,nr_inodes={cfg['disk_files']},mode=755")
+    for name, mode in (("work", 0o700), ("tmp", 0o1777)):
+        os.makedirs(rw + "/" + name)
+        os.chmod(rw + "/" + name, mode)
+        os.chown(rw + "/" + name, owner, owner)
+        os.makedirs(root + "/" + name)
+        mount(rw + "/" + name, root + "/" + name, None, BIND)
+    program = os.path.join(rw, "work", PROGRAM)
+    with open(program, "wb") as f:
+        f.write(code)
+    os.chown(program, owner, owner)
+    if libc.umount2(rw.encode(), 2) != 0:  # MNT_DETACH
+        fail(f"umount {rw}")
+    os.rmdir(rw)
+    os.makedirs(root + "/proc")
+    mount("proc", root + "/proc", "proc", NOSUID | NODEV | NOEXEC)
+    os.chdir(root)
+    os.makedirs(".old")
+    if PIVOT_ROOT is None or libc.syscall(PIVOT_ROOT, b".", b".old") != 0:
+        fail("pivot_root")
+    os.chdir("/")
+    if libc.umount2(b"/.old", 2) != 0:
+        fail("umount the old root")
+    os.rmdir("/.old")
+    mount(None, "/", None, REMOUNT | RDONLY | NOSUID | NODEV)
+    libc.sethostname(b"sandbox", 7)
+
+
+def be_process_one(alive_r: int, root_user: bool) -> None:
+    """Drop privileges, run the code as process 2 and reap until it ends; then end the namespace with its status."""
+    if root_user:
+        drop_to_slot_uid()
+    # killing the bootstrap ends the namespace and all in it (set after setuid, which clears it; the pipe's EOF says
+    # whether the bootstrap died before)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(97)
+    os.close(alive_r)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    os.chdir("/work")
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(124))  # the wall-clock limit, held here too
+    signal.alarm(int(cfg["wall_s"]) + 5)
+    code_pid = os.fork()  # the code runs as process 2: limits kill it as they would anywhere (init ignores SIGXCPU)
+    if code_pid == 0:
+        signal.alarm(0)
+        run_code()
+    while True:
+        pid, status = os.wait()
+        if pid == code_pid:
+            os._exit(exit_status(status))
+
+
+def main() -> None:
+    header, _, code = sys.stdin.buffer.read().partition(b"\n")
+    cfg.update(json.loads(header))
+    if not cfg["isolate"]:
+        unisolated()
+    root_user = os.getuid() == 0
+    alive_r = enter_namespaces()
+    build_root(code, root_user)
+    be_process_one(alive_r, root_user)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@ from megatron_dapo.rollouts.tools import call_tool, make_tools
 
 pytestmark = pytest.mark.timeout(300)
 
-LIMITS = SandboxLimits(wall_s=6, cpu_s=2, memory_mb=1024)  # 128 MB for each of 8 processes
+LIMITS = SandboxLimits(wall_s=12, cpu_s=2, memory_mb=1024)  # 128 MB for each of 8 processes
 SECRET = "ckpt-secret-7f3a"
 
 
@@ -44,7 +44,7 @@ def sandbox_processes() -> list[str]:
 def hostile(run_file) -> dict[str, tuple[str, str]]:
     return {
         "infinite loop": ("while True: pass", "CPU time limit"),
-        "sleep forever": ("import time\ntime.sleep(3600)", "timed out after 6 s"),
+        "sleep forever": ("import time\ntime.sleep(3600)", "timed out after 12 s"),
         "fork bomb": (
             "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
             "error:",
