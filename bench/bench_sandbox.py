@@ -1,7 +1,7 @@
 """What the hardened sandbox costs: python-tool calls per second, today's sandbox against the one before the per-call
 limits (its module read from git), and a bare ``python -I -S`` subprocess (no isolation at all), measured in one run.
 
-    .venv/bin/python bench/bench_sandbox.py [--calls 60] [--jobs 2] [--before 54198e0]
+    .venv/bin/python bench/bench_sandbox.py [--calls 120] [--jobs 2] [--rounds 6] [--before 54198e0]
 
 Each call runs a typical tool program (a sum over 10^5 squares, a few lines of output); ``--jobs`` calls at once, as
 the tool agent's threads make them. Prints calls/s and ms per call for each, and the ratios. Relate it to a step: the
@@ -38,6 +38,7 @@ def load_before(commit: str):
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("sandbox_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["sandbox_before"] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
@@ -47,34 +48,52 @@ def bare(code: str) -> bool:
     return r.returncode == 0
 
 
-def measure(name: str, call, calls: int, jobs: int) -> float:
-    call()  # warm: the isolation probe, page cache
+def timed(call, calls: int, jobs: int) -> tuple[float, int]:
     start = time.monotonic()
     with cf.ThreadPoolExecutor(jobs) as pool:
         ok = sum(bool(x) for x in pool.map(lambda _: call(), range(calls)))
-    took = time.monotonic() - start
-    print(f"{name:<36} {calls / took:7.2f} calls/s  {1000 * took * jobs / calls:7.1f} ms per call  ({ok}/{calls} ok)")
-    return calls / took
+    return time.monotonic() - start, ok
+
+
+def measure(variants: dict, labels: dict, calls: int, jobs: int, rounds: int) -> dict[str, float]:
+    """calls/s of each variant, its calls split into ``rounds`` rounds taken in turn (so that a slow minute of the
+    machine falls on every variant alike)."""
+    for call in variants.values():
+        call()  # warm: the isolation probe, the page cache
+    took, ok = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0)
+    for r in range(rounds):
+        names = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in names:
+            t, n = timed(variants[name], calls // rounds, jobs)
+            took[name] += t
+            ok[name] += n
+    done = calls // rounds * rounds
+    for name in variants:
+        print(f"{labels[name]:<36} {done / took[name]:7.2f} calls/s  {1000 * took[name] * jobs / done:7.1f} ms per call  "
+              f"({ok[name]}/{done} ok)")  # fmt: skip
+    return {name: done / took[name] for name in variants}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--calls", type=int, default=120)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--before", default="54198e0", help="the commit whose sandbox is the baseline")
     args = ap.parse_args()
-    print(f"sandbox now: {sandbox.isolation_path()}; {args.calls} calls, {args.jobs} at a time")
-    rates = {"bare": measure("bare python -I -S (no isolation)", lambda: bare(PROGRAM), args.calls, args.jobs)}
+    print(f"sandbox now: {sandbox.isolation_path()}; {args.calls} calls, {args.jobs} at a time, {args.rounds} rounds")
+    variants = {"bare": lambda: bare(PROGRAM)}
     try:
         before = load_before(args.before)
-        limits = before.SandboxLimits(wall_s=30)
-        rates["before"] = measure(f"sandbox at {args.before}", lambda: before.run_python(PROGRAM, limits).ok,
-                                  args.calls, args.jobs)  # fmt: skip
+        old_limits = before.SandboxLimits(wall_s=30)
+        variants["before"] = lambda: before.run_python(PROGRAM, old_limits).ok
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"(no baseline: git show {args.before} failed: {e})")
     limits = sandbox.SandboxLimits(wall_s=30)
-    rates["now"] = measure("sandbox now (per-call limits)", lambda: sandbox.run_python(PROGRAM, limits).ok,
-                           args.calls, args.jobs)  # fmt: skip
+    variants["now"] = lambda: sandbox.run_python(PROGRAM, limits).ok
+    labels = {"bare": "bare python -I -S (no isolation)", "before": f"sandbox at {args.before}",
+              "now": "sandbox now (per-call limits)"}  # fmt: skip
+    rates = measure(variants, labels, args.calls, args.jobs, args.rounds)
     if "before" in rates:
         print(f"now / before: {rates['now'] / rates['before']:.3f} of the calls per second")
     print(f"now / bare:   {rates['now'] / rates['bare']:.3f} of the calls per second")
