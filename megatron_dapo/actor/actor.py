@@ -98,6 +98,11 @@ class MegatronActor:
             routes.clear_instances()
             self.replay_layers = routes.stage_moe_layers(self.arch, p.pp, self.pp_rank)
         chunks = build_model(self.arch, cfg.model, p, routing_replay=self.routed)
+        self.lora_layers = []  # LoRA: the adapted layers; everything else frozen (actor/lora.py)
+        if cfg.model.lora.rank:
+            from megatron_dapo.actor.lora import apply_lora
+
+            self.lora_layers = apply_lora(chunks, cfg.model.lora, p.sequence_parallel, cfg.train.seed)
         self.tf_config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer

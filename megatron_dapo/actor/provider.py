@@ -114,6 +114,13 @@ def check_parallel(parallel: ParallelConfig, model_cfg: ModelConfig, arch: ArchC
         )
     if model_cfg.fp8 and not te:
         raise ConfigError(f"model.fp8 = {model_cfg.fp8!r}: FP8 needs Transformer Engine (GPU)")
+    if model_cfg.lora.rank and te and not rehearsing():
+        # TE's spec fuses the norm into linear_qkv / linear_fc1 (TELayerNormColumnParallelLinear): the adapter
+        # would read the un-normed input. Not supported yet.
+        raise ConfigError(
+            f"model.lora.rank = {model_cfg.lora.rank} with Transformer Engine: not supported yet (TE fuses the norm "
+            "into linear_qkv and linear_fc1, which the adapters must read after it); set model.transformer_impl=local"
+        )
     check_divisible(arch, parallel.tp, parallel.pp, prefix="parallel.", ep=parallel.ep)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.bridge.lora import merge_lora
 from megatron_dapo.bridge.reshard import gather_tp
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.models.mapping import Param, canonical_name, split_layer
@@ -75,6 +76,11 @@ def local_parameters(model_chunks, arch: ArchConfig) -> dict[str, torch.Tensor]:
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
+def _dtype(local: dict, name: str) -> torch.dtype:
+    """The dtype of ``local[name]`` without reading it (a LoRA-merged weight would be computed): the stored tensor's."""
+    return dict.__getitem__(local, name).dtype
+
+
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -111,7 +117,7 @@ def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[st
     import torch.distributed as dist
 
     params = export_order(arch)
-    local = local_parameters(model_chunks, arch)
+    local = merge_lora(local_parameters(model_chunks, arch))  # LoRA: the adapted weights merged, layer by layer
     if not dist.is_initialized():
         for p in params:
             yield from zip(p.hf, p.to_hf(local[p.megatron].detach()))
@@ -159,7 +165,7 @@ def _export_dense(params: list[Param], local: dict, arch: ArchConfig, dst: str) 
     # csrc/distributed/c10d/ProcessGroupNCCL.cpp, check_gpu_single_tensor: "Tensors must be CUDA and dense").
     device = next(iter(local.values())).device
     if stage > 0:  # gather; TP rank 0 sends to the replica's first rank
-        codes = torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in mine], dtype=torch.int64)
+        codes = torch.tensor([_DTYPE_CODES.index(_dtype(local, p.megatron)) for p in mine], dtype=torch.int64)
         if tp_rank == 0:
             dist.send(torch.tensor([len(mine)], dtype=torch.int64, device=device), receiver)
             dist.send(codes.to(device), receiver)
@@ -219,7 +225,7 @@ def _export_to_all(params: list[Param], local: dict, arch: ArchConfig) -> Iterat
         theirs = [p for p in params if _stage_of(p, arch, pp) == s]
         codes = torch.zeros(len(theirs), dtype=torch.int64, device=device)
         if s == stage:
-            codes.copy_(torch.tensor([_DTYPE_CODES.index(local[p.megatron].dtype) for p in theirs]))
+            codes.copy_(torch.tensor([_DTYPE_CODES.index(_dtype(local, p.megatron)) for p in theirs]))
         if pp > 1:
             dist.broadcast(codes, pp_ranks[s], group=pp_group)
         for p, code in zip(theirs, codes.tolist()):

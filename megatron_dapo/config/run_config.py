@@ -45,6 +45,16 @@ def resolve_arch_path(name_or_path: str | Path) -> Path:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA (actor/lora.py): rank 0 = off (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class ModelConfig:
     arch: str = "tiny"  # name in megatron_dapo/model_configs/ or a path to an architecture YAML
     hf_init: str | None = None  # start from this HF checkpoint directory (safetensors)
@@ -58,6 +68,7 @@ class ModelConfig:
     # MoE: the weight of the load-balancing auxiliary loss (megatron-core moe_aux_loss_coeff; 0 = none, as in most RL
     # recipes: the routes the rollout engine chose are what the policy is trained on)
     moe_aux_loss_coeff: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -119,6 +119,16 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     a, t, p, r, d = cfg.algo, cfg.train, cfg.parallel, cfg.rollout, cfg.data
     if p.ep < 1:
         fail("parallel.ep", p.ep, "must be >= 1")
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        fail("model.lora.rank", lora.rank, "must be >= 0 (0: no LoRA, full fine-tuning)")
+    if lora.rank and lora.alpha <= 0:
+        fail("model.lora.alpha", lora.alpha, "must be > 0 (the update is scaled by alpha / rank)")
+    if not 0 <= lora.dropout < 1:
+        fail("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    if lora.rank and (not lora.targets or set(lora.targets) - set(targets)):
+        fail("model.lora.targets", lora.targets, f"must name some of {list(targets)}")
     if not 0 <= cfg.model.moe_aux_loss_coeff:
         fail("model.moe_aux_loss_coeff", cfg.model.moe_aux_loss_coeff, "must be >= 0 (0: no load-balancing loss)")
     if not 0 < a.eps_low < 1:

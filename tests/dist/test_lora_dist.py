@@ -1,0 +1,87 @@
+"""LoRA at TP 2 x PP 2 against one process (torchrun, gloo), issue "LoRA RL on megatron-core", evidence (a):
+
+- with B = 0 (the start) the adapted model's logprobs are the base model's;
+- two DAPO updates from the same start train only the adapters and give the same merged weights and logprobs at
+  TP 2 x PP 2 as in one process (the adapters' TP splits, their gradients' reductions, the fused QKV / gate-up rows);
+- the merged HF checkpoint, loaded into a model without LoRA, gives the adapted actor's logprobs (the merge: W + (α/r)
+  B A for every target, through the bridge's own export);
+- the actor's checkpoint at TP 2 x PP 2 resumes in one process with the same adapters.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_torchrun
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+TP2PP2 = ["parallel.tp=2", "parallel.pp=2"]
+
+
+def _launch(d: Path, nproc: int, name: str, plan: list) -> None:
+    path = d / f"plan_{name}.json"
+    path.write_text(json.dumps([[sc, str(d / out), args] for sc, out, args in plan]))
+    run_torchrun(nproc, WORKER, path, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One base for all (megatron initializes TP shards from their own seeds): a TP=1 model written as HF."""
+    d = tmp_path_factory.mktemp("lora")
+    base = [f"model.hf_init={d / 'base_hf'}"]
+    _launch(d, 1, "init", [("logprobs", "base_tp1.pt", [f"hf={d / 'base_hf'}"])])
+    _launch(d, 4, "four", [
+        ("logprobs", "base_tp2pp2.pt", [*TP2PP2, *base]),
+        ("logprobs", "zero_tp2pp2.pt", [*TP2PP2, *LORA, *base]),
+        ("train", "train_tp2pp2.pt", [*TP2PP2, *LORA, *base, f"hf={d / 'merged_hf'}", f"save={d / 'ckpt'}"]),
+    ])  # fmt: skip
+    _launch(d, 1, "one", [
+        ("train", "train_tp1.pt", [*LORA, *base]),
+        ("logprobs", "merged_tp1.pt", [f"model.hf_init={d / 'merged_hf'}"]),
+        ("logprobs", "resumed_tp1.pt", [*LORA, f"load={d / 'ckpt'}"]),
+    ])  # fmt: skip
+    return {p.stem: torch.load(p) for p in d.glob("*.pt")}
+
+
+def _gap(a, b) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_with_b_zero_the_adapted_model_is_the_base(runs):
+    assert _gap(runs["base_tp2pp2"]["logprobs"], runs["zero_tp2pp2"]["logprobs"]) < 1e-6  # (fp32 rounding)
+    trainable = runs["zero_tp2pp2"]["trainable"]
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    assert runs["base_tp2pp2"]["trainable"] and not any(".lora_" in n for n in runs["base_tp2pp2"]["trainable"])
+
+
+def test_only_the_adapters_train_and_both_of_them_move(runs):
+    changed = runs["train_tp2pp2"]["changed"]
+    assert changed and all(".lora_" in n for n in changed)
+    assert any(n.endswith(".lora_A") for n in changed) and any(n.endswith(".lora_B") for n in changed)
+
+
+def test_tp2_pp2_trains_the_same_adapters_as_one_process(runs):
+    tp1, tp4 = runs["train_tp1"], runs["train_tp2pp2"]
+    assert set(tp1["merged"]) == set(tp4["merged"])
+    gaps = {n: float((tp1["merged"][n] - tp4["merged"][n]).abs().max()) for n in tp1["merged"]}
+    assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    moved = [n for n in tp1["merged"] if "proj" in n and gaps[n] < 1e-5]
+    assert moved  # (the names the targets map to are there)
+    assert _gap(tp1["logprobs"], tp4["logprobs"]) < 1e-4
+
+
+def test_the_merged_checkpoint_without_lora_gives_the_adapted_logprobs(runs):
+    adapted = runs["train_tp2pp2"]["logprobs"]
+    base = runs["base_tp2pp2"]["logprobs"]
+    assert _gap(adapted, base) > 1e-3  # the adapters changed the model...
+    assert _gap(adapted, runs["merged_tp1"]["logprobs"]) < 1e-4  # ...and the merged weights carry the change
+
+
+def test_a_checkpoint_at_tp2_pp2_resumes_its_adapters_in_one_process(runs):
+    """The adapters' TP-split halves are saved as split tensors (actor/lora.py sharded_state_dict) and resharded."""
+    assert _gap(runs["train_tp2pp2"]["logprobs"], runs["resumed_tp1"]["logprobs"]) < 1e-5
