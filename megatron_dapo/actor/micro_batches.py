@@ -18,9 +18,8 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
     predicted not to fit is refused with the prediction. CPU: available RAM ÷ local ranks; GPU: 90% of the device."""
     import os
 
-    from megatron_dapo.models.memory import GiB, actor_memory, fit_micro_batch_tokens
-
     from megatron_dapo.actor.provider import rehearsing
+    from megatron_dapo.models.memory import GiB, actor_memory, fit_micro_batch_tokens
 
     p = cfg.parallel
     if rehearsing():  # the GPU job's rank, on a CPU: the GPU it will run on

@@ -90,7 +90,7 @@ class RMSNormStandIn(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x):
         return _RMSNorm.apply(x, self.weight, self.eps)
