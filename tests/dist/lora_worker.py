@@ -8,7 +8,7 @@
   base's parameters (this rank's, to check that the base stayed frozen).
 
 ``hf=DIR``: then the model (merged, if adapted) is written as an HF checkpoint; ``save=DIR`` / ``load=DIR``: the
-actor's checkpoint (megatron dist_checkpointing: resharded on load).
+actor's checkpoint (megatron dist_checkpointing: resharded on load); ``peft=DIR``: the adapters as a PEFT folder.
 """
 
 import gc
@@ -25,9 +25,10 @@ def run(scenario: str, out: str, args: list[str]) -> None:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
     from megatron_dapo.bridge.load import load_hf_into_model
+    from megatron_dapo.bridge.lora import save_peft_adapter
 
     kv = dict(a.split("=", 1) for a in args)
-    hf, save, load = kv.pop("hf", None), kv.pop("save", None), kv.pop("load", None)
+    hf, save, load, peft = (kv.pop(k, None) for k in ("hf", "save", "load", "peft"))
     cfg = make_cfg(**{"train.adam_eps": 1e-3, **kv})
     actor = MegatronActor(cfg)
     if cfg.model.hf_init:  # as the trainer starts from model.hf_init (loop/trainer.py)
@@ -46,6 +47,8 @@ def run(scenario: str, out: str, args: list[str]) -> None:
         save_hf_checkpoint(actor.model, actor.arch, hf)
     if save:
         actor.save(save)
+    if peft:
+        save_peft_adapter(actor.model, actor.arch, cfg.model.lora, peft)
     result["logprobs"] = actor.compute_logprobs(seqs)
     result["merged"] = {n: t.clone() for bucket in export_hf_tensors(actor.model, actor.arch) for n, t in bucket}
     if dist.get_rank() == 0:

@@ -5,10 +5,12 @@
   TP 2 x PP 2 as in one process (the adapters' TP splits, their gradients' reductions, the fused QKV / gate-up rows);
 - the merged HF checkpoint, loaded into a model without LoRA, gives the adapted actor's logprobs (the merge: W + (α/r)
   B A for every target, through the bridge's own export);
-- the actor's checkpoint at TP 2 x PP 2 resumes in one process with the same adapters.
+- the actor's checkpoint at TP 2 x PP 2 resumes in one process with the same adapters;
+- evidence (b): the adapters exported in PEFT's format, loaded by ``peft`` onto the HF base, give the actor's logprobs.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,14 +39,17 @@ def runs(tmp_path_factory):
     _launch(d, 4, "four", [
         ("logprobs", "base_tp2pp2.pt", [*TP2PP2, *base]),
         ("logprobs", "zero_tp2pp2.pt", [*TP2PP2, *LORA, *base]),
-        ("train", "train_tp2pp2.pt", [*TP2PP2, *LORA, *base, f"hf={d / 'merged_hf'}", f"save={d / 'ckpt'}"]),
+        ("train", "train_tp2pp2.pt",
+         [*TP2PP2, *LORA, *base, f"hf={d / 'merged_hf'}", f"save={d / 'ckpt'}", f"peft={d / 'peft'}"]),
     ])  # fmt: skip
     _launch(d, 1, "one", [
         ("train", "train_tp1.pt", [*LORA, *base]),
         ("logprobs", "merged_tp1.pt", [f"model.hf_init={d / 'merged_hf'}"]),
         ("logprobs", "resumed_tp1.pt", [*LORA, f"load={d / 'ckpt'}"]),
     ])  # fmt: skip
-    return {p.stem: torch.load(p) for p in d.glob("*.pt")}
+    out = {p.stem: torch.load(p) for p in d.glob("*.pt")}
+    out["dir"] = d
+    return out
 
 
 def _gap(a, b) -> float:
@@ -85,3 +90,23 @@ def test_the_merged_checkpoint_without_lora_gives_the_adapted_logprobs(runs):
 def test_a_checkpoint_at_tp2_pp2_resumes_its_adapters_in_one_process(runs):
     """The adapters' TP-split halves are saved as split tensors (actor/lora.py sharded_state_dict) and resharded."""
     assert _gap(runs["train_tp2pp2"]["logprobs"], runs["resumed_tp1"]["logprobs"]) < 1e-5
+
+
+def test_the_peft_adapter_on_the_hf_base_gives_the_actors_logprobs(runs):
+    """Evidence (b): ``PeftModel.from_pretrained(base, adapter)`` in HF transformers, on the base the actor started
+    from, reproduces the adapted actor's logprobs (the fused QKV and gate/up adapters split as PEFT expects)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(WORKER.parent))
+    from actor_worker import make_seqs
+
+    d = runs["dir"]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(d / "base_hf"), d / "peft").eval()
+    got = []
+    with torch.no_grad():
+        for s in make_seqs():
+            logits = model(s.tokens[None]).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(1, s.tokens[1:, None])[:, 0]
+            got.append(lp[s.prompt_len - 1 :])
+    assert _gap(runs["train_tp2pp2"]["logprobs"], got) < 1e-4
