@@ -348,7 +348,13 @@ class Trainer:
         return metrics
 
     def export_hf(self, out: Path) -> None:
-        """The trained policy as an HF checkpoint (safetensors + config.json + tokenizer) that transformers loads."""
+        """The trained policy as an HF checkpoint (safetensors + config.json + tokenizer) that transformers loads; with
+        LoRA the adapters merged into it, and beside it (``<out>_adapter``) the adapters alone in PEFT's format."""
         from megatron_dapo.bridge.export import save_hf_checkpoint
 
         save_hf_checkpoint(self.actor.model, self.arch, out, self.tokenizer, self.cfg.rollout.bucket_mb << 20)
+        if self.actor.lora_layers:
+            from megatron_dapo.bridge.lora import save_peft_adapter
+
+            base = self.cfg.model.hf_init
+            save_peft_adapter(self.actor.model, self.arch, self.cfg.model.lora, f"{out}_adapter", base)
