@@ -1,7 +1,7 @@
 """The GPU recipes rehearsed with their step (``dapo rehearse``: one rank per pipeline stage trains once on fake
 tensors, memory measured by torch), written where the docs and their test read them.
 
-    .venv/bin/python bench/rehearse_step.py [dapo_32b dapo_qwen3_32b]    # 2-4 minutes each on 2 cores
+    .venv/bin/python bench/rehearse_step.py [dapo_32b dapo_qwen3_32b ...]  # 2-4 minutes each on 2 cores
     .venv/bin/python bench/rehearse_step.py --rerender                   # the docs from the stored steps (seconds)
     .venv/bin/python bench/rehearse_step.py dapo_qwen3_30b_a3b           # MoE: ~30 min (3 steps of ~15 min)
 
@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "get-started.md"
 RESULTS = REPO / "bench" / "results"
-RECIPES = ("dapo_32b", "dapo_qwen3_32b")  # the docs' blocks; the MoE recipe's step is not recorded yet
+RECIPES = ("dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b")  # the docs' blocks
 
 
 def docs_block(recipe: str, text: str, seconds: float, machine: str) -> str:

@@ -16,7 +16,7 @@ from megatron_dapo.planning.rehearsal import rehearse, render
 from tests.helpers import REPO
 
 DOCS = REPO / "docs" / "get-started.md"
-RECIPES = ["dapo_32b", "dapo_qwen3_32b"]  # the MoE recipe's full-size step (~30 min on 2 cores) is not recorded yet
+RECIPES = ["dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b"]
 
 
 def _block(recipe: str) -> str:
