@@ -40,6 +40,8 @@ def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
         group_size=cfg.algo.group_size,
         mini_batch_prompts=cfg.train.mini_batch_prompts,
         logprob_chunk_tokens=p.logprob_chunk_tokens,
+        lora_rank=cfg.model.lora.rank,
+        lora_targets=tuple(cfg.model.lora.targets),
     )
     if not colocated:
         options["rollout_nodes"] = cfg.cluster.rollout_nodes

@@ -90,6 +90,33 @@ def count_params(
     return n
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_params(
+    arch: ArchConfig, rank: int, tp: int = 1, pp: int = 1, pp_rank: int = 0, targets: tuple[str, ...] = LORA_TARGETS
+) -> int:
+    """LoRA adapters held by one GPU of stage ``pp_rank`` (``actor/lora.py``): per layer and target, A [r, in] and
+    B [out, r], the split one ÷ TP (column-parallel ``linear_qkv`` / ``linear_fc1``: B's rows; row-parallel
+    ``linear_proj`` / ``linear_fc2``: A's columns). A mixture's experts are not adapted; its dense layers' MLPs are."""
+    if not rank:
+        return 0
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    per = arch.num_layers // pp
+    n = 0
+    for layer in range(pp_rank * per, (pp_rank + 1) * per):
+        mlp = not arch.is_moe_layer(layer)
+        f = arch.ffn_hidden_size
+        sizes = {  # (A's columns, B's rows) on this rank
+            "linear_qkv": (h, (q + 2 * kv) // tp),
+            "linear_proj": (q // tp, h),
+            "linear_fc1": (h, 2 * f // tp) if mlp else None,
+            "linear_fc2": (f // tp, h) if mlp else None,
+        }
+        n += sum(rank * (a + b) for t, (a, b) in ((t, s) for t, s in sizes.items() if s) if t in targets)
+    return n
+
+
 def expert_params(arch: ArchConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1) -> int:
     """Of ``count_params``, the experts' weights (what the distributed optimizer shards over the expert-data-parallel
     group, DP·CP/EP ranks, where the rest is sharded over DP·CP)."""

@@ -50,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--mini-batch-prompts", type=int, default=32)
     ap.add_argument("--mean-seq-len", type=float, default=None)
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA (model.lora.rank): the base frozen; 0 = full")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="print the plans as JSON instead of tables")
     args = ap.parse_args(argv)
     fp8_options = {"auto": (False, True), "on": (True,), "off": (False,)}[args.fp8]
     keys = ("colocated", "rollout_nodes", "batch_prompts", "group_size", "mini_batch_prompts", "mean_seq_len")
     options = {k: getattr(args, k) for k in keys}
-    options.update(rollout_mem_fraction=args.mem_fraction, fp8_options=fp8_options)
+    options.update(rollout_mem_fraction=args.mem_fraction, fp8_options=fp8_options, lora_rank=args.lora_rank)
     try:
         plans = plan(
             args.model, args.max_prompt, args.max_response, args.nodes, args.gpus_per_node, args.gpu_mem, **options

@@ -70,6 +70,7 @@ from megatron_dapo.models.memory import (
     expert_params,
     forward_pass_bytes,
     logits_bytes,
+    lora_params,
     moe_forward_bytes,
     moe_layer_activation_delta,
     moe_retained_bytes,
@@ -306,6 +307,9 @@ def _evaluate(
     for s in range(pp) if every_stage else sorted({0, pp - 1}):
         p = count_params(arch, tp, pp, s, vocab, ep)
         experts = expert_params(arch, tp, pp, s, ep)
+        lora = lora_params(arch, o.lora_rank, tp, pp, s, o.lora_targets)
+        # what is trained: the adapters alone with LoRA (the base frozen: no grads, no optimizer state), else all
+        trained, trained_experts = (lora, 0) if o.lora_rank else (p, experts)
         moe_layers = sum(arch.is_moe_layer(i) for i in range(s * L // pp, (s + 1) * L // pp))
         dense_layers = L // pp - moe_layers
         stage_layers = dense_layers * per_layer + moe_layers * per_moe_layer
@@ -332,17 +336,20 @@ def _evaluate(
             Memory(
                 stage=s,
                 params=p,
-                weights=BF16 * p,
+                weights=BF16 * (p + lora),
                 fp8_cache=2.0 * stage_gemm_params(arch, tp, pp, s, ep) if fp8 else 0.0,
-                grads=FP32 * p,
+                grads=FP32 * trained,
                 # the distributed optimizer shards dense weights over DP·CP, experts over their DP·CP/EP replicas
-                optimizer=12.0 * ((p - experts) / (dp * cp) + experts / (dp * cp // ep)) if distopt else 12.0 * p,
+                optimizer=12.0 * ((trained - trained_experts) / (dp * cp) + trained_experts / (dp * cp // ep))
+                if distopt
+                else 12.0 * trained,
                 activations=min(pp - s, m_update) * stage_layers + stage_working,
                 logits=logits,
                 forward_pass=forward_pass_bytes(forward_layer, chunk, vocab // tp, tok_gpu, h, tp, last),
                 rollout=rollout_held,
                 overhead=overhead,
                 expert_params=experts,
+                lora_params=lora,
             )
         )
     worst = max(stages, key=lambda x: x.total)
@@ -391,9 +398,9 @@ def _evaluate(
         m_update,
         recompute,
         fp8,
-        max(st.params for st in stages),
+        max(st.lora_params if o.lora_rank else st.params for st in stages),  # what the gradient collectives move
         ep,
-        max(st.expert_params for st in stages),
+        0 if o.lora_rank else max(st.expert_params for st in stages),
     )
     return Plan(
         tp=tp,
@@ -455,7 +462,8 @@ def _step_time(
 ) -> tuple[float, float, float]:
     """Rough training time of one step (old-logprob pass + all updates), in seconds; returns (FLOPs, s, bubble).
 
-    Dense FLOPs per token: 2·N forward (N = layer GEMM weights + output layer) → old logprobs 2N + train 6N = 8N;
+    Dense FLOPs per token: 2·N forward (N = layer GEMM weights + output layer) → old logprobs 2N + train 6N = 8N (LoRA:
+    6N, the frozen base's weight gradients not computed);
     recompute adds a forward of what it recomputes (full: 2N; selective: the MLP, 2·3hf per layer). Causal attention:
     2·q·s per layer and token forward (s ≈ mean sequence length), ×4 for the two passes (+1 with full recompute).
     Compute time = FLOPs / (GPUs × peak × MFU × 0.96^log2(TP) × 0.95^log2(CP)) ÷ FP8 speedup, divided by the 1F1B
@@ -470,7 +478,9 @@ def _step_time(
     q = a.num_attention_heads * a.head_dim
     n_dense = active_gemm_params(a) + vocab * a.hidden_size
     attn_fwd = 2 * q * job.mean_seq * a.num_layers
-    per_token = 8 * n_dense + 4 * attn_fwd
+    # LoRA: the frozen base's backward computes no weight gradients (2N of its 6N): 6N in all, the adapters' FLOPs
+    # (rank / width of the base's) left out
+    per_token = (6 if job.opt.lora_rank else 8) * n_dense + 4 * attn_fwd
     dense_layers = sum(not a.is_moe_layer(i) for i in range(a.num_layers))
     if recompute == "full":
         per_token += 2 * n_dense + attn_fwd

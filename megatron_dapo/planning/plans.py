@@ -35,6 +35,7 @@ class Memory:
     overhead: float
     expert_params: int = 0  # of params, the MoE experts (sharded by the distributed optimizer over DP·CP/EP)
     forward_pass: float = 0.0  # the logprob pass's peak over the resident state (one layer at a time, the logits)
+    lora_params: int = 0  # LoRA: the adapters (trained; the params are frozen: weights only, no grads or optimizer)
 
     @property
     def total(self) -> float:
@@ -215,6 +216,8 @@ class PlanOptions:
     routing_replay: bool = True  # MoE: rollout routing replay (the actor replays at CP 1 only)
     moe_imbalance: float = 1.25  # MoE: the busiest EP rank's routed tokens over the mean (dropless, aux loss on)
     ep_bandwidth_gbs: float = 150.0  # MoE: per GPU for the alltoall inside a node (NVLink), across nodes dp_bandwidth
+    lora_rank: int = 0  # LoRA (model.lora): the base frozen, adapters of this rank on ``lora_targets`` trained
+    lora_targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def rank_plans(plans: list[Plan]) -> list[Plan]:

@@ -190,7 +190,9 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     engine_weights = Term(
         "SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, sg.weights, f"HF model / TP{cfg.rollout.sglang_tp}"
     )
-    kv = Term("SGLang KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens")
+    kv = Term(
+        "SGLang KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens"
+    )
     others = sg.startup - sg.weights - sg.kv_cache
     graphs = Term("SGLang outside mem_fraction", others, others, "request table, CUDA graphs, runtime (SGLang's)")
     prefill = Term("SGLang activations", sg.activations, sg.activations, "SGLang's reserve for a prefill chunk")
@@ -230,6 +232,7 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
 def _measured_terms(step, stage, weights: Term, grads: Term, optim: Term, export: Term, fp8: float):
     """The trainer's terms from a ``rank_step.RankStep``: the resident state read from the live objects after the
     step, and each phase's peak over it, beside the memory model (``STEP_MARGIN``)."""
+
     def measured(name: str, value: float, model: float, why: str) -> Term:
         return Term(name, float(value), model, "measured: " + why, STEP_MARGIN)
 

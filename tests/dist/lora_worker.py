@@ -37,6 +37,7 @@ def run(scenario: str, out: str, args: list[str]) -> None:
         actor.load(load)
     seqs = make_seqs()
     result = {"trainable": sorted(n for n, p in actor.named_parameters() if p.requires_grad)}
+    result["lora_params"] = sum(p.numel() for n, p in actor.named_parameters() if ".lora_" in n)  # rank 0's
     if scenario == "train":
         before = {n: p.detach().clone() for n, p in actor.named_parameters()}
         result["metrics"] = [train_once(actor, seqs), train_once(actor, seqs)]

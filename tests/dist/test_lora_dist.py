@@ -110,3 +110,13 @@ def test_the_peft_adapter_on_the_hf_base_gives_the_actors_logprobs(runs):
             lp = torch.log_softmax(logits[:-1], -1).gather(1, s.tokens[1:, None])[:, 0]
             got.append(lp[s.prompt_len - 1 :])
     assert _gap(runs["train_tp2pp2"]["logprobs"], got) < 1e-4
+
+
+def test_the_planner_counts_the_adapters_each_rank_holds(runs):
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.memory import lora_params
+
+    arch = load_arch("tiny")
+    assert runs["zero_tp2pp2"]["lora_params"] == lora_params(arch, 4, tp=2, pp=2, pp_rank=0)
+    assert runs["train_tp1"]["lora_params"] == lora_params(arch, 4)
+    assert runs["base_tp2pp2"]["lora_params"] == 0

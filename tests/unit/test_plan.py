@@ -353,3 +353,28 @@ def test_moe_layouts_fit_where_the_recipes_say_and_the_experts_are_sharded_over_
     assert "parallel.ep=2" in layout.overrides() and "EP2" in layout.label()
     with pytest.raises(ConfigError, match="parallel.ep = 3: must divide DP × CP = 2"):
         evaluate_layout("qwen3-30b-a3b", 2048, 20480, 2, 8, 80, tp=4, pp=2, cp=1, micro_batch_tokens=22528, ep=3)
+
+
+def test_lora_trains_only_the_adapters_and_fits_the_32b_job_on_fewer_nodes():
+    """LoRA (model.lora): the frozen base keeps its weights only; grads and Adam states are the adapters'
+    (``memory.lora_params``, checked against the real actor in tests/dist/test_lora_dist.py). The 32B job at 20k
+    tokens then fits one node, where full fine-tuning needs two."""
+    from megatron_dapo.models.memory import lora_params
+    from megatron_dapo.planning.planner import evaluate_layout, plan
+
+    kw = dict(batch_prompts=512, group_size=16, mini_batch_prompts=32)
+    lay = dict(tp=8, pp=1, cp=1, micro_batch_tokens=22528, recompute="full")
+    full = evaluate_layout("qwen2.5-32b", 2048, 20480, 1, 8, 80.0, **lay, **kw)
+    lora = evaluate_layout("qwen2.5-32b", 2048, 20480, 1, 8, 80.0, **lay, lora_rank=64, **kw)
+    adapters = lora_params(load_arch("qwen2.5-32b"), 64, tp=8)
+    assert lora.memory.lora_params == adapters > 0
+    assert lora.memory.grads == 4 * adapters and lora.memory.optimizer == 12 * adapters  # DP 1: nothing to shard
+    assert lora.memory.weights == 2 * (full.memory.params + adapters)
+    assert full.memory.grads == 4 * full.memory.params and not full.feasible and lora.feasible
+    assert lora.step_time_s < full.step_time_s  # no weight gradients for the base, adapters' grads to reduce
+
+    def smallest(**extra) -> int:
+        return next(n for n in (1, 2, 4, 8) if any(p.feasible for p in plan("qwen2.5-32b", 2048, 20480, n, 8, 80.0,
+                                                                              **kw, **extra)))  # fmt: skip
+
+    assert smallest(lora_rank=64) == 1 and smallest() == 2
