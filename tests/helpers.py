@@ -102,3 +102,25 @@ def fresh_actors(make_config):
 
     yield make
     teardown()
+
+
+def process_tree(root: int) -> set[int]:
+    """The live pids descending from ``root`` (not ``root`` itself), from /proc: what a test started, and not what
+    another test worker on the node runs at the same time (processes a test counts must be its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # a zombie holds nothing but its pid
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out

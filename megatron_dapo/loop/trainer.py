@@ -354,7 +354,7 @@ class Trainer:
 
         save_hf_checkpoint(self.actor.model, self.arch, out, self.tokenizer, self.cfg.rollout.bucket_mb << 20)
         if self.actor.lora_layers:
-            from megatron_dapo.bridge.lora import save_peft_adapter
+            from megatron_dapo.bridge.peft import save_peft_adapter
 
             base = self.cfg.model.hf_init
             save_peft_adapter(self.actor.model, self.arch, self.cfg.model.lora, f"{out}_adapter", base)

@@ -25,7 +25,7 @@ def run(scenario: str, out: str, args: list[str]) -> None:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
     from megatron_dapo.bridge.load import load_hf_into_model
-    from megatron_dapo.bridge.lora import save_peft_adapter
+    from megatron_dapo.bridge.peft import save_peft_adapter
 
     kv = dict(a.split("=", 1) for a in args)
     hf, save, load, peft = (kv.pop(k, None) for k in ("hf", "save", "load", "peft"))

@@ -114,7 +114,8 @@ def test_cli_qwen3_32b_prints_the_table(capsys):
     data = json.loads(capsys.readouterr().out)
     assert not data["ok"] and data["world"] == 16 and {c["stage"] for c in data["classes"]} == {0, 1}
     assert any("train phase needs" in f for f in data["failures"])
-    assert rehearsal.main(["--recipe", "dapo_qwen3_32b", "--nodes", "3", "--no-step"]) == 2  # 24 GPUs: TP8 × PP2 does not divide
+    # 24 GPUs: TP8 × PP2 does not divide
+    assert rehearsal.main(["--recipe", "dapo_qwen3_32b", "--nodes", "3", "--no-step"]) == 2
     assert "must divide" in capsys.readouterr().err
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_dapo.rollouts.sandbox import SandboxLimits, SandboxUnavailable, isolation_problem, run_python
 from megatron_dapo.rollouts.tools import call_tool, make_tools
+from tests.helpers import process_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,8 +38,11 @@ def run_files(tmp_path):
 
 
 def sandbox_processes() -> list[str]:
+    """This test's sandbox processes still alive (not those another test worker runs meanwhile)."""
+    mine = process_tree(os.getpid())
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "dapo-sandbox" in line or "-I -S main.py" in line]
+    return [line for line in out.splitlines()
+            if ("dapo-sandbox" in line or "-I -S main.py" in line) and int(line.split()[0]) in mine]  # fmt: skip
 
 
 def hostile(run_file) -> dict[str, tuple[str, str]]:

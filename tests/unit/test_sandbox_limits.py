@@ -15,12 +15,14 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from megatron_dapo.rollouts import sandbox
 from megatron_dapo.rollouts.sandbox import SLOT_UID_BASE, SandboxLimits, isolation_problem, remove_tree, run_python
+from tests.helpers import process_tree
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -83,19 +85,32 @@ def isolated():
         pytest.skip(f"no isolation here: {problem}")
 
 
-def slot_processes() -> dict[int, list[int]]:
-    """uid -> pids of the live processes running as a slot's uid (the sandboxes, when the trainer is root); a zombie
-    (dead, holding nothing but its pid until the host's init reaps it) is not counted."""
+def slot_processes(pids: set[int] | None = None) -> dict[int, list[int]]:
+    """uid -> pids of the live processes running as a slot's uid (the sandboxes, when the trainer is root) among
+    ``pids`` (default: this test's, :func:`process_tree`; sandboxes another test worker runs meanwhile are not
+    counted); a zombie (dead, holding nothing but its pid until the host's init reaps it) is not counted."""
     out: dict[int, list[int]] = {}
+    for pid in process_tree(os.getpid()) if pids is None else pids:
+        try:
+            uid = os.stat(f"/proc/{pid}").st_uid
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if SLOT_UID_BASE <= uid < SLOT_UID_BASE + 4096 and state != "Z":
+            out.setdefault(uid, []).append(pid)
+    return out
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live pids whose command line holds ``tag`` (a process that left its session is nobody's descendant)."""
+    out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and entry != str(os.getpid()):
             try:
-                uid = os.stat(f"/proc/{entry}").st_uid
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (FileNotFoundError, ProcessLookupError, IndexError):
+                if tag.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
                 continue
-            if SLOT_UID_BASE <= uid < SLOT_UID_BASE + 4096 and state != "Z":
-                out.setdefault(uid, []).append(int(entry))
     return out
 
 
@@ -177,7 +192,7 @@ for _ in range(1200):
     os.chdir("d")
 open("leaf", "w").write("x" * 1000)
 held = open("held", "w")
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)  # its own session
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # {tag}"], start_new_session=True)  # own session
 print("made", flush=True)
 time.sleep(600)
 """
@@ -200,10 +215,13 @@ def test_a_hostile_tree_leaves_nothing_isolated_or_not(isolated, tmp_path, monke
     outside = tmp_path / "outside.txt"
     outside.write_text("keep me")
     before = set(os.listdir(tempfile.gettempdir()))
-    r = run_python(DEEP_TREE.format(outside=str(outside)), SandboxLimits(wall_s=8, cpu_s=8, slots=16), not isolate)
+    tag = f"dapo-test-{uuid.uuid4().hex}"
+    code = DEEP_TREE.format(outside=str(outside), tag=tag)
+    r = run_python(code, SandboxLimits(wall_s=8, cpu_s=8, slots=16), not isolate)
     assert r.timed_out and r.output.startswith("made") and r.isolated == isolate, r.output[-300:]
     assert outside.read_text() == "keep me"  # the symlink was removed, not followed
     assert {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("dapo-sandbox")} == set()
+    assert gone(lambda: tagged_processes(tag)) == []  # the process that left its session: killed too
     if os.getuid() == 0:
         assert gone(slot_processes) == {}
 
@@ -317,9 +335,10 @@ def test_a_sandbox_ends_when_the_trainer_that_started_it_dies(isolated, tmp_path
     trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert trainer.stdout.readline() == "start\n"
     deadline = time.monotonic() + 30
-    while not slot_processes() and time.monotonic() < deadline:
+    while not (started := slot_processes(process_tree(trainer.pid))) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert slot_processes(), "the sandbox never started"
-    trainer.kill()  # SIGKILL: no cleanup of its own
+    assert started, "the sandbox never started"
+    pids = {pid for found in started.values() for pid in found}
+    trainer.kill()  # SIGKILL: no cleanup of its own (its sandbox's processes are nobody's descendants now)
     trainer.wait()
-    assert gone(slot_processes, 10) == {}
+    assert gone(lambda: slot_processes(pids), 10) == {}

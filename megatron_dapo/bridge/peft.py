@@ -1,0 +1,99 @@
+"""LoRA adapters in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors`` in HF module names, so
+``peft.PeftModel.from_pretrained(hf_base, folder)`` reproduces the actor (``tests/dist/test_lora_dist.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.bridge.export import export_order, local_parameters
+from megatron_dapo.bridge.reshard import gather_tp
+
+
+def peft_name(hf_weight: str, which: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
+    (PEFT's ``LoraModel`` wraps the causal LM: ``base_model.model.`` + the module path)."""
+    return f"base_model.model.{hf_weight.removesuffix('.weight')}.lora_{which}.weight"
+
+
+def adapter_hf_tensors(model_chunks, arch) -> dict[str, torch.Tensor]:
+    """This rank's adapters in HF / PEFT names, whole over TP (a collective of the TP group): a fused layer's adapter
+    becomes one per HF module, as the bridge splits the base weight: B's rows (QKV by KV group, gate / up) go where
+    the base weight's rows go, and each part keeps the shared A (``q_proj``, ``k_proj``, ``v_proj`` read the same
+    input). A row-parallel layer's A is gathered over its input columns."""
+    group = None
+    if _distributed():
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+    plan = {p.megatron: p for p in export_order(arch)}
+    local = local_parameters(model_chunks, arch)
+    out = {}
+    for name in sorted(n for n in local if n.endswith(".lora_B")):
+        stem = name.removesuffix(".lora_B")
+        p = plan[f"{stem}.weight"]
+        a, b = local[f"{stem}.lora_A"].detach(), local[name].detach()
+        if p.mapping.tp_dim == 0:  # column-parallel: B split over the output rows
+            bs = p.to_hf(gather_tp(p, b, group))
+            parts = [(hf, a, part) for hf, part in zip(p.hf, bs)]
+        else:  # row-parallel: A split over the input columns
+            parts = [(p.hf[0], gather_tp(p, a, group), b)]
+        for hf, part_a, part_b in parts:
+            out[peft_name(hf, "A")] = part_a.clone()
+            out[peft_name(hf, "B")] = part_b.clone()
+    return out
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def peft_config(arch, lora, base_model: str | None = None) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters (``LoraConfig`` fields)."""
+    modules = sorted({
+        p.hf[i].removesuffix(".weight").rsplit(".", 1)[-1]
+        for p in export_order(arch)
+        for i in range(len(p.hf))
+        if p.megatron.rsplit(".", 2)[-2] in lora.targets and ".experts." not in p.megatron
+    })  # fmt: skip
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "init_lora_weights": True,
+    }
+
+
+def save_peft_adapter(model_chunks, arch, lora, out, base_model: str | None = None) -> None:
+    """The adapters as a PEFT adapter folder (``PeftModel.from_pretrained(base, out)`` loads it), written by global
+    rank 0. Collective: every rank calls it (TP gathers, then one gather of each stage's adapters to rank 0: they are
+    megabytes, not the model)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    mine = adapter_hf_tensors(model_chunks, arch)
+    if _distributed():
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object({k: v.cpu() for k, v in mine.items()} if first else {}, got, dst=0)
+        if dist.get_rank() != 0:
+            return
+        mine = {k: v for part in got for k, v in part.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in mine.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(arch, lora, base_model), indent=1) + "\n")
