@@ -14,6 +14,8 @@ Multi-process training: ``torchrun --nproc-per-node N -m megatron_dapo.cli train
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 import warnings
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core warns at import that TE/apex are absent: expected on CPU, where the local spec is used.
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
     argv = sys.argv[1:] if argv is None else argv
+    _stacks_on_sigusr2()
     if argv and argv[0] in PASSTHROUGH:
         return PASSTHROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
@@ -161,6 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         if not {c.__name__ for c in type(e).__mro__} & EXPECTED_RUNTIME_ERRORS:
             raise
         return _fail(e, 1)
+
+
+def _stacks_on_sigusr2() -> None:
+    """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a run that seems
+    hung is waiting for (SIGUSR1 is the save-and-stop signal, loop/trainer.py)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR2"):
+        with contextlib.suppress(ValueError, RuntimeError, io.UnsupportedOperation):  # no stderr fd (embedded)
+            faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
 
 # Failures the run reports in words (each message names what failed and what to do): no traceback, from rank 0 only

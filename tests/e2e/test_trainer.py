@@ -1,5 +1,6 @@
 """End-to-end `dapo train` / `dapo eval` through the real megatron-core actor, HF rollout engine and weight sync."""
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -54,7 +56,21 @@ def dapo(*args, nproc=1, timeout=600, check=True):
     launcher = (
         [*torchrun_cmd(nproc), "-m", "megatron_dapo.cli"] if nproc > 1 else [sys.executable, "-m", "megatron_dapo.cli"]
     )
-    proc = subprocess.run([*launcher, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([*launcher, *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        proc.stdout_text, proc.stderr_text = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # what it waits for: every thread's stack (cli.py: SIGUSR2), then stop it
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                if "megatron_dapo.cli" in p.cmdline():  # the trainer's ranks (not torchrun, not the servers)
+                    p.send_signal(signal.SIGUSR2)
+        time.sleep(3)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"dapo {args} still running after {timeout} s; its threads' stacks:\n{out[-3000:]}\n{err[-12000:]}")
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout_text, proc.stderr_text)
     if check and proc.returncode != 0:
         pytest.fail(f"dapo {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

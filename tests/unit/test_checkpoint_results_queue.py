@@ -1,7 +1,9 @@
 """The dist_checkpointing results-queue workaround (actor/checkpoint.py): installed once, and saves still round-trip."""
 
+import contextlib
 import subprocess
 import sys
+import time
 
 from tests.helpers import REPO
 
@@ -38,3 +40,34 @@ def test_forked_results_queue_installed_once_and_checkpoints_round_trip(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+KILLED = r"""
+import os, signal
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+from megatron_dapo.actor.checkpoint import use_forked_results_queue
+
+use_forked_results_queue()
+os.kill(os.getpid(), signal.SIGKILL)  # as a node's OOM killer or scancel would
+"""
+
+
+def test_the_queue_server_dies_with_a_killed_trainer(tmp_path):
+    """The forked Manager serving the queue holds the trainer's stdout and stderr: left running after a SIGKILL, whoever
+    reads the trainer's output (a pipe, a test) would wait for good."""
+    import psutil
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    children = []
+    while proc.poll() is None:  # its children, while it lives
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(proc.pid).children(recursive=True) or children
+    proc.stdout.read()  # returns only once no process holds the pipe
+    assert proc.wait() == -9
+    assert children, "the queue's server process was never seen"
+    deadline = time.monotonic() + 10
+    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
