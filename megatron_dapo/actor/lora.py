@@ -65,7 +65,12 @@ def attach(module: torch.nn.Module, kind: str, name: str, lora: Any, sequence_pa
         a = a[:, tp_rank * in_local : (tp_rank + 1) * in_local]
     b_rows = out_local  # column: this rank's rows; row: the whole output (not split)
     module.lora_A = torch.nn.Parameter(a.to(device=weight.device, dtype=weight.dtype).contiguous())
-    module.lora_B = torch.nn.Parameter(torch.zeros(b_rows, r, device=weight.device, dtype=weight.dtype))
+    b = torch.zeros(b_rows, r)
+    if getattr(lora, "init", "peft") == "random":  # PEFT's init_lora_weights=False: B random too (tests)
+        full_out = out_local * tp if kind == "column" else out_local
+        b = torch.randn(full_out, r, generator=_generator(seed, f"{name}:B")) * 0.02
+        b = b[tp_rank * out_local : (tp_rank + 1) * out_local] if kind == "column" else b
+    module.lora_B = torch.nn.Parameter(b.to(device=weight.device, dtype=weight.dtype).contiguous())
     split = module.lora_B if kind == "column" else module.lora_A
     set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if kind == "column" else 1, stride=1)
     whole = module.lora_A if kind == "column" else module.lora_B

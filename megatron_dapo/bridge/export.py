@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.bridge.lora import merge_lora
+from megatron_dapo.bridge.lora import merge_lora as merged_view
 from megatron_dapo.bridge.reshard import gather_tp
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.models.mapping import Param, canonical_name, split_layer
@@ -105,19 +105,22 @@ def _bucketed(items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, size
 
 
 def export_hf_tensors(
-    model_chunks, arch: ArchConfig, bucket_bytes: int = 512 << 20, dst: str = "rank0"
+    model_chunks, arch: ArchConfig, bucket_bytes: int = 512 << 20, dst: str = "rank0", merge_lora: bool = True
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of ``(hf_name, full tensor)`` from the live model; see the module docstring for who receives what."""
+    """Buckets of ``(hf_name, full tensor)`` from the live model; see the module docstring for who receives what.
+    With LoRA the adapted weights, merged (``merge_lora=False``: the frozen base alone, for an engine that applies
+    the adapters itself)."""
     if dst not in ("rank0", "stage", "all"):
         raise ValueError(f"dst = {dst!r}: must be 'rank0', 'stage' or 'all'")
-    yield from _bucketed(_export_items(model_chunks, arch, dst), bucket_bytes)
+    yield from _bucketed(_export_items(model_chunks, arch, dst, merge_lora), bucket_bytes)
 
 
-def _export_items(model_chunks, arch: ArchConfig, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_items(model_chunks, arch: ArchConfig, dst: str, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
     params = export_order(arch)
-    local = merge_lora(local_parameters(model_chunks, arch))  # LoRA: the adapted weights merged, layer by layer
+    local = local_parameters(model_chunks, arch)  # (the adapters' own tensors are in no HF name: never exported)
+    local = merged_view(local) if merge else local  # LoRA: the adapted weights merged, layer by layer
     if not dist.is_initialized():
         for p in params:
             yield from zip(p.hf, p.to_hf(local[p.megatron].detach()))
@@ -334,7 +337,13 @@ def _hf_plan(arch: ArchConfig, dtypes) -> list[tuple[str, tuple[int, ...], torch
 
 
 def save_hf_checkpoint(
-    model_chunks, arch: ArchConfig, out, tokenizer=None, bucket_bytes: int = 512 << 20, max_shard_size="2GB"
+    model_chunks,
+    arch: ArchConfig,
+    out,
+    tokenizer=None,
+    bucket_bytes: int = 512 << 20,
+    max_shard_size="2GB",
+    merge_lora: bool = True,
 ) -> None:
     """Write the live model as an HF checkpoint from global rank 0: safetensors shards of at most ``max_shard_size``
     (one ``model.safetensors`` when it fits, else ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``),
@@ -358,7 +367,7 @@ def save_hf_checkpoint(
     writes = not dist.is_initialized() or dist.get_rank() == 0
     with staged_output(Path(out)) if writes else contextlib.nullcontext() as tmp:
         writer = _ShardWriter(tmp, _hf_plan(arch, dtypes), max_bytes) if writes else None
-        for bucket in export_hf_tensors(model_chunks, arch, bucket_bytes):
+        for bucket in export_hf_tensors(model_chunks, arch, bucket_bytes, merge_lora=merge_lora):
             while bucket:  # only rank 0 receives; each tensor is dropped once written
                 name, t = bucket.pop(0)
                 writer.add(name, t.detach().to("cpu"))

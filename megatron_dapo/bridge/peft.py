@@ -51,12 +51,16 @@ def _distributed() -> bool:
 
 def peft_config(arch, lora, base_model: str | None = None) -> dict:
     """PEFT's ``adapter_config.json`` for these adapters (``LoraConfig`` fields)."""
-    modules = sorted({
-        p.hf[i].removesuffix(".weight").rsplit(".", 1)[-1]
-        for p in export_order(arch)
-        for i in range(len(p.hf))
-        if p.megatron.rsplit(".", 2)[-2] in lora.targets and ".experts." not in p.megatron
-    })  # fmt: skip
+    modules = sorted(
+        {
+            hf.removesuffix(".weight").rsplit(".", 1)[-1]
+            for p in export_order(arch)
+            for hf in p.hf
+            if p.megatron.endswith(".weight")
+            and p.megatron.rsplit(".", 2)[-2] in lora.targets
+            and ".experts." not in p.megatron
+        }
+    )  # fmt: skip - weights only: a layer's bias is no module
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -73,27 +77,39 @@ def peft_config(arch, lora, base_model: str | None = None) -> dict:
     }
 
 
-def save_peft_adapter(model_chunks, arch, lora, out, base_model: str | None = None) -> None:
-    """The adapters as a PEFT adapter folder (``PeftModel.from_pretrained(base, out)`` loads it), written by global
-    rank 0. Collective: every rank calls it (TP gathers, then one gather of each stage's adapters to rank 0: they are
-    megabytes, not the model)."""
+def gathered_adapter(model_chunks, arch) -> dict[str, torch.Tensor] | None:
+    """Every adapter tensor in PEFT names, on global rank 0 (None elsewhere). Collective: every rank calls it (TP
+    gathers, then one gather of each stage's adapters to rank 0: they are megabytes, not the model)."""
+    mine = adapter_hf_tensors(model_chunks, arch)
+    if not _distributed():
+        return mine
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({k: v.cpu() for k, v in mine.items()} if first else {}, got, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {k: v for part in got for k, v in part.items()}
+
+
+def write_peft_folder(tensors: dict[str, torch.Tensor], config: dict, out) -> None:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` in ``out`` (created)."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    mine = adapter_hf_tensors(model_chunks, arch)
-    if _distributed():
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object({k: v.cpu() for k, v in mine.items()} if first else {}, got, dst=0)
-        if dist.get_rank() != 0:
-            return
-        mine = {k: v for part in got for k, v in part.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().cpu() for k, v in mine.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(arch, lora, base_model), indent=1) + "\n")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def save_peft_adapter(model_chunks, arch, lora, out, base_model: str | None = None) -> None:
+    """The adapters as a PEFT adapter folder (``PeftModel.from_pretrained(base, out)`` loads it), written by global
+    rank 0. Collective: every rank calls it."""
+    tensors = gathered_adapter(model_chunks, arch)
+    if tensors is not None:
+        write_peft_folder(tensors, peft_config(arch, lora, base_model), out)

@@ -52,6 +52,9 @@ class LoraConfig:
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # peft: A Kaiming-uniform, B = 0 (step 0 is the base model); random: B random too, N(0, 0.02), as PEFT's
+    # init_lora_weights=False (tests: the adapted model differs from the base from the first step)
+    init: Literal["peft", "random"] = "peft"
 
 
 @dataclass
@@ -117,6 +120,10 @@ class RolloutConfig:
     # copy: in process (hf engine); tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU);
     # distributed: a process group with the servers (NCCL on GPU, gloo on CPU); disk: safetensors files
     weight_sync: Literal["copy", "tensor", "distributed", "disk"] = "copy"
+    # with model.lora: adapter = the engine loads each new adapter version (SGLang: a PEFT folder in the run directory,
+    # /load_lora_adapter; the base weights never move); merged = the merged weights through rollout.weight_sync;
+    # auto = adapter on SGLang, merged on the in-process HF engine
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     bucket_mb: int = 512
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
@@ -400,3 +407,9 @@ def config_to_dict(cfg: Any) -> dict:
 
 def save_config(cfg: DapoConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def lora_adapter_sync(cfg: DapoConfig) -> bool:
+    """The rollout engine applies the LoRA adapters itself (``rollout.lora_sync``): only the adapters are synced."""
+    r = cfg.rollout
+    return cfg.model.lora.rank > 0 and r.engine == "sglang" and r.lora_sync in ("auto", "adapter")

@@ -129,6 +129,9 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     if lora.rank and (not lora.targets or set(lora.targets) - set(targets)):
         fail("model.lora.targets", lora.targets, f"must name some of {list(targets)}")
+    if lora.rank and r.lora_sync == "adapter" and r.engine != "sglang":
+        fail("rollout.lora_sync", r.lora_sync, f"adapter-only sync needs rollout.engine = sglang, not {r.engine!r} "
+             "(the in-process HF engine takes the merged weights: lora_sync = merged or auto)")  # fmt: skip
     if not 0 <= cfg.model.moe_aux_loss_coeff:
         fail("model.moe_aux_loss_coeff", cfg.model.moe_aux_loss_coeff, "must be >= 0 (0: no load-balancing loss)")
     if not 0 < a.eps_low < 1:

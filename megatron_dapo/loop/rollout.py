@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.config.run_config import DapoConfig, lora_adapter_sync
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.engines.sglang import sync as sglang_sync
@@ -38,13 +38,17 @@ class RolloutDriver:
         self.cfg, self.arch, self.actor = cfg, arch, actor
         self.engine = self.sync = None
         self.spec = engine_spec(cfg.rollout.engine)
+        self.adapters_only = lora_adapter_sync(cfg)  # LoRA: the engine applies the adapters, only they are synced
         model_path = cfg.model.hf_init
         if self.spec.starts_from_hf_dir and not model_path and not cfg.rollout.server_urls:
             from megatron_dapo.bridge.export import save_hf_checkpoint
 
             model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
-            save_hf_checkpoint(actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20)  # collective
-        self.node_sync = _node_local_sync(cfg)  # colocated on several nodes: each node feeds its own engines
+            save_hf_checkpoint(
+                actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20, merge_lora=not self.adapters_only
+            )  # fmt: skip - collective; LoRA: the base alone
+        # colocated on several nodes: each node feeds its own engines (the adapters, megabytes, go from rank 0)
+        self.node_sync = None if self.adapters_only else _node_local_sync(cfg)
 
         def start() -> None:
             if self.node_sync is None:
@@ -62,6 +66,11 @@ class RolloutDriver:
     def sync_weights(self, actor: MegatronActor, version: int) -> dict[str, float]:
         from megatron_dapo.bridge.export import export_hf_tensors
 
+        if self.adapters_only:
+            from megatron_dapo.bridge.peft import gathered_adapter
+
+            adapter = gathered_adapter(actor.model, self.arch)  # collective; on rank 0, every adapter tensor
+            return on_driver(lambda: self.sync.sync([sorted(adapter.items())], version).metrics())
         if self.node_sync is not None:
             # a rank that neither posts nor serializes its GPU's copy for the poster (node_sync.GpuGather) holds one
             # tensor at a time (its GPU is shared with the resumed engine); senders take the poster's buckets
@@ -103,7 +112,12 @@ class RolloutDriver:
                 f"{[s.url for s in servers]} restarted, but resyncing them mid-rollout needs the export of every "
                 f"model-parallel rank (parallel.tp x parallel.pp = {p.tp * p.pp}), which wait for rank 0: stopping"
             )
-        buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
+        if self.adapters_only:  # the base came from disk: the current adapter only
+            from megatron_dapo.bridge.peft import adapter_hf_tensors
+
+            buckets = [sorted(adapter_hf_tensors(self.actor.model, self.arch).items())]
+        else:
+            buckets = export_hf_tensors(self.actor.model, self.arch, self.cfg.rollout.bucket_mb << 20)
         report = self.sync.sync(buckets, self.engine.weight_version, workers=list(servers))
         print(
             f"resynced {', '.join(s.url for s in servers)} to weight version {report.version} "
@@ -196,6 +210,12 @@ def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
     """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``."""
     r = cfg.rollout
     kind, verify = r.weight_sync, r.verify_sync
+    if lora_adapter_sync(cfg):
+        from megatron_dapo.bridge.peft import peft_config
+        from megatron_dapo.engines.sglang.adapter_sync import AdapterSync
+
+        folder = Path(cfg.train.run_dir) / cfg.train.name / "lora_adapters"
+        return AdapterSync(engine, peft_config(load_arch(cfg.model.arch), cfg.model.lora), folder, verify)
     if kind == "copy":
         return CopySync(engine, verify)
     classes = {

@@ -124,6 +124,7 @@ class SGLangEngine(Aborts):
         self._closed = threading.Event()  # set by shutdown: background re-aborts stop
         self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
         self.routes = routes  # MoE routing replay: ask every request for its routed experts
+        self.lora_name: str | None = None  # LoRA adapter-only sync: the adapter requests run with (adapter_sync.py)
         if start:
             self.start()
 
@@ -446,6 +447,7 @@ class SGLangEngine(Aborts):
             return_logprob=sp.logprobs,
             rid=rid,
             return_routed_experts=True if self.routes else None,
+            lora_path=self.lora_name,
         )
 
     def _pick_url(self, routes: dict[int, str], prompt: int, rid: str, retry: bool = False) -> str:

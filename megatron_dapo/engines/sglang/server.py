@@ -377,7 +377,26 @@ def server_args(cfg) -> list[str]:
         raise ConfigError(f"model.arch = {cfg.model.arch!r} with rollout.engine = sglang: {why}")
     if routes_wanted(r.routing_replay, arch):  # each response's routed experts: the actor replays or compares them
         args.append("--enable-return-routed-experts")
-    return args + list(r.sglang_args)
+    return args + lora_server_args(cfg, arch) + list(r.sglang_args)
+
+
+def lora_server_args(cfg, arch) -> list[str]:
+    """SGLang's LoRA flags when the run syncs adapters only (``config.lora_adapter_sync``): the target modules in HF
+    names (as the adapters are exported, ``bridge/peft.py``), room for 3 adapters at once (a sync loads the new version
+    before it unloads the old one, which waits for the requests still using it), and on a CPU the ``torch_native``
+    backend (the others need Triton)."""
+    from megatron_dapo.bridge.peft import peft_config
+    from megatron_dapo.config.run_config import lora_adapter_sync
+
+    if not lora_adapter_sync(cfg):
+        return []
+    lora = cfg.model.lora
+    modules = peft_config(arch, lora)["target_modules"]
+    args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "3",
+            "--lora-target-modules", *modules]  # fmt: skip
+    if cfg.rollout.sglang_device == "cpu":
+        args += ["--lora-backend", "torch_native"]
+    return args
 
 
 def _refuse_data_parallel(args: Sequence[str]) -> None:

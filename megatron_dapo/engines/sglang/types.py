@@ -102,6 +102,8 @@ class GenerateRequest(_Json):
     # MoE (server started with --enable-return-routed-experts): meta_info.routed_experts, the top-k experts of every
     # layer for positions [0, seqlen - 1) (sglang/srt/managers/io_struct.py GenerateReqInput.routed_experts_start_len)
     return_routed_experts: bool | None = None
+    # LoRA (server started with --enable-lora): the name of a loaded adapter this request runs with (None: the base)
+    lora_path: str | None = None
     NESTED: ClassVar[dict[str, type]] = {"sampling_params": SGLangSamplingParams}
 
     def __post_init__(self) -> None:
@@ -309,6 +311,26 @@ class SuccessResponse(_Json):
     STRICT: ClassVar[bool] = False
 
 
+@dataclass
+class LoadLoRAAdapterRequest(_Json):
+    lora_name: str  # what requests name in ``lora_path``
+    lora_path: str  # a PEFT folder the server reads
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterRequest(_Json):
+    lora_name: str
+
+
+@dataclass
+class LoRAUpdateResponse(_Json):
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict | None = None  # name -> path (or a reference object) of every adapter now loaded
+    STRICT: ClassVar[bool] = False
+
+
 # endpoint -> request type (POST JSON bodies this project sends)
 ENDPOINTS: dict[str, type] = {
     "/generate": GenerateRequest,
@@ -324,4 +346,6 @@ ENDPOINTS: dict[str, type] = {
     "/weights_checker": CheckWeightsRequest,
     "/abort_request": AbortRequest,
     "/update_weight_version": UpdateWeightVersionRequest,
+    "/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
