@@ -47,3 +47,21 @@ def test_adapter_only_sync_serves_the_actors_adapter_version_after_version(tmp_p
     assert peft["r"] == 8 and peft["target_modules"] == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+
+
+def test_the_streaming_schedule_interrupts_generation_to_switch_adapters(tmp_path):
+    """rollout.schedule=stream with adapters: each sync aborts what is in flight, loads the new adapter and resumes the
+    samples on it (a sample spans adapter versions; each token keeps the version it was sampled with)."""
+    dapo("train", "--recipe", "demo_cpu_sglang", *BASE, *LORA, "train.steps=4", "rollout.schedule=stream",
+         "rollout.stream_staleness=0.5", "algo.gen_batch_prompts=12", "algo.old_logprobs=rollout",
+         "train.stream_updates=true", "train.mini_batch_prompts=2", f"train.run_dir={tmp_path}",
+         "train.name=stream")  # fmt: skip
+    rows = {r["step"]: r for r in metrics(tmp_path / "stream")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert rows[1]["train/logp_gap_mean"] < 0.01  # the first batch, on version 0's adapter: the actor's
+    assert all(r["sync/tensors"] == 28 and r["sync/gb"] < 1e-3 for r in rows.values())
+    assert (
+        rows[4]["rollout/interrupted_samples_total"] > 0
+        and max(r["rollout/max_partial_span"] for r in rows.values()) >= 1
+    )
+    assert rows[4]["rollout/version_lag_max"] >= 1  # resumed samples: tokens of older adapter versions
