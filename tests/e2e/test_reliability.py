@@ -38,11 +38,18 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
     raise AssertionError(f"the run never logged step {step} (exit code {proc.poll()})")
 
 
-def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
+# LoRA: random adapters (they differ from the base from step 1) that train (overlong shaping varies the rewards)
+LORA = ["model.lora.rank=8", "model.lora.init=random", "train.lr=1e-2", "algo.overlong_penalty=true",
+        "algo.overlong_cache=10", "rollout.sampling.max_new_tokens=12"]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
+def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path, extra):
     """SIGUSR1 (what the sbatch scripts turn the time-limit signal into) mid-run: the trainer finishes the step, saves,
-    exits 0; `--resume auto` continues; metrics.jsonl then holds each step once, equal to an uninterrupted run's."""
+    exits 0; `--resume auto` continues; metrics.jsonl then holds each step once, equal to an uninterrupted run's
+    (with LoRA: the adapters and their optimizer states resume exactly)."""
     args = ["train", "--recipe", "demo_cpu", *BASE, "train.save_interval=0", "train.steps=8", "eval.interval=3",
-            f"train.run_dir={tmp_path}"]  # fmt: skip
+            f"train.run_dir={tmp_path}", *extra]  # fmt: skip
     reference = dapo_started(tmp_path / "straight.log", *args, "train.name=straight")
 
     run = tmp_path / "stopped"
@@ -69,6 +76,8 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path):
     for r in rows:
         assert not same_history(straight[r["step"]], r), (r["step"], same_history(straight[r["step"]], r))
     assert any(k.startswith("eval/") for k in rows[5]) and (run / "hf" / "config.json").is_file()
+    if extra:
+        assert all(r["train/grad_norm"] > 0 for r in rows[1:])  # the adapters train: resuming them is tested
 
 
 def test_sigusr1_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):
