@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "get-started.md"
 RESULTS = REPO / "bench" / "results"
-RECIPES = ("dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b")  # the docs' blocks
+RECIPES = ("dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b", "dapo_32b_lora")  # the docs' blocks
 
 
 def docs_block(recipe: str, text: str, seconds: float, machine: str) -> str:

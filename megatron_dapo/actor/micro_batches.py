@@ -44,6 +44,8 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
         distributed_optimizer=bool(p.distributed_optimizer),
         logprob_chunk_tokens=p.logprob_chunk_tokens,
         engine_bytes_per_param=4 if in_process_engine else 0,
+        lora_rank=cfg.model.lora.rank,
+        lora_targets=tuple(cfg.model.lora.targets),
     )
     # the longest row the dense attention spans: a sequence, or a group's responses behind their shared prompt
     row = cfg.max_seq_len

@@ -435,6 +435,8 @@ def actor_memory(
     distributed_optimizer: bool = False,
     logprob_chunk_tokens: int = 1024,
     engine_bytes_per_param: int = 0,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
 ) -> ActorMemory:
     """The peak of one rank: resident state (weights, fp32 main grads, Adam: 8 B/param for fp32 weights, 12 with a
     16-bit model's fp32 master copy, ÷ DP with the distributed optimizer), the activations of ``pp`` micro-batches in
@@ -445,7 +447,9 @@ def actor_memory(
     THD rows (TE, ``activation_bytes_per_token``) use flash attention, which keeps no scores. Measured against the
     peak RSS of real train steps on CPU in ``tests/unit/test_memory_measured.py``."""
     params = count_params(arch, tp, pp, 0)
-    optimizer = params * (8 if dtype_bytes == 4 else 12) / (dp if distributed_optimizer else 1)
+    # LoRA (model.lora): the adapters train, the frozen base keeps its weights only
+    trained = lora_params(arch, lora_rank, tp, pp, 0, lora_targets) if lora_rank else params
+    optimizer = trained * (8 if dtype_bytes == 4 else 12) / (dp if distributed_optimizer else 1)
     flash = layout == "thd"
     layers = arch.num_layers // pp
     if flash:
@@ -464,8 +468,8 @@ def actor_memory(
     chunk = min(logprob_chunk_tokens, micro_batch_tokens)
     logits = chunk * padded_vocab_size(arch.vocab_size, tp) / tp * 16  # fp32 logits, log-softmax, grad, recompute
     return ActorMemory(
-        weights=params * dtype_bytes,
-        grads=params * FP32,
+        weights=(params + (trained if lora_rank else 0)) * dtype_bytes,
+        grads=trained * FP32,
         optimizer=optimizer,
         activations=activations,
         logits=logits,

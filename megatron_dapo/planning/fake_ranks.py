@@ -49,6 +49,7 @@ class RankBuild:
     last_stage: bool
     ep: int = 0  # expert-parallel rank (MoE; EP is carved from the data-parallel ranks)
     expert_params: int = 0  # of params, the MoE experts this rank holds
+    trainable_params: int | None = None  # those that train (LoRA: the adapters); None = all
 
     def coords(self) -> dict[str, int]:
         """The dense coordinates the launch's placement assumes (EP lives inside DP)."""
@@ -127,6 +128,10 @@ def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> Rank
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # megatron-core: "Apex is not installed" per module
             chunks = build_model(arch, model_cfg, parallel, training=not arch.is_moe)  # MoE + TP: SP (module doc)
+            if cfg.model.lora.rank:  # as the actor does (actor.py): the adapters, the base frozen
+                from megatron_dapo.actor.lora import apply_lora
+
+                apply_lora(chunks, cfg.model.lora, p.sequence_parallel, cfg.train.seed)
     named = [(n, t) for chunk in chunks for n, t in chunk.named_parameters()]
     if any(t.device.type != "meta" for _, t in named):
         raise RuntimeError(f"rank {rank}: the model was not built on the meta device")
@@ -137,6 +142,7 @@ def build_rank(rank: int, world: int, cfg: DapoConfig, arch: ArchConfig) -> Rank
         param_bytes=sum(t.numel() * t.element_size() for _, t in named),
         gemm_params=sum(t.numel() for n, t in named if n.endswith(GEMM_SUFFIXES)),
         expert_params=sum(t.numel() for n, t in named if ".mlp.experts." in n),
+        trainable_params=sum(t.numel() for _, t in named if t.requires_grad),
         first_stage=first,
         last_stage=last,
     )

@@ -383,7 +383,8 @@ def _mapping_gaps(actor, arch) -> tuple[list[str], list[str]]:
     mine = {p.megatron for p in table if _stage_of(p, arch, pp) == stage}
     if arch.is_moe:  # this EP rank builds its own experts only
         mine = {n for n in mine if n in local or ".mlp.experts." not in n}
-    return sorted(set(local) - named), sorted(mine - set(local))
+    adapters = {n for n in local if n.endswith((".lora_A", ".lora_B"))}  # LoRA: merged or exported by bridge/peft.py
+    return sorted(set(local) - named - adapters), sorted(mine - set(local))
 
 
 def run_rank_step(cfg: DapoConfig, progress=None) -> RankStep:

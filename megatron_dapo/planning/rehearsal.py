@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dapo.config.run_config import DapoConfig, load_config
+from megatron_dapo.config.run_config import DapoConfig, load_config, lora_adapter_sync
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import load_arch
-from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_params, total_params
+from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_params, lora_params, total_params
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
 
 MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
@@ -93,10 +93,13 @@ class SyncPlan:
     gather: Any  # actor.gather.GatherBytes of the old-logprob pass, every response at full length
     routes: list[dict]
     concurrency: int = 0  # requests the SGLang engine keeps in flight on each server (0: not SGLang)
+    adapter_tensors: int = 0  # LoRA adapter-only sync (config.lora_adapter_sync): what each sync sends instead
+    adapter_bytes: int = 0
 
     @property
     def largest(self) -> int:
-        return self.export.max_bucket_bytes
+        """The largest bucket a sync holds (the adapters: one folder's worth, gathered on rank 0)."""
+        return self.adapter_bytes if self.adapter_tensors else self.export.max_bucket_bytes
 
     @property
     def model_bytes(self) -> int:
@@ -143,7 +146,15 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
         from megatron_dapo.engines.sglang.capacity import per_server_concurrency
 
         concurrency = per_server_concurrency(cfg)
-    return SyncPlan(export, gather, routes, concurrency)
+    plan = SyncPlan(export, gather, routes, concurrency)
+    if lora_adapter_sync(cfg):
+        from megatron_dapo.bridge.peft import peft_config
+
+        lora = cfg.model.lora
+        plan.adapter_tensors = 2 * len(peft_config(arch, lora)["target_modules"]) * arch.num_layers
+        dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+        plan.adapter_bytes = dtype_bytes * lora_params(arch, lora.rank, targets=tuple(lora.targets))
+    return plan
 
 
 def _role(rank: int, placement) -> str:
@@ -175,12 +186,15 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
         stage.weights + stage.fp8_cache,
         f"{b.params:,} params" + (" + FP8 copy and transpose of the GEMM weights" if fp8 else ""),
     )
-    grads = Term("trainer grads", FP32 * b.params, stage.grads, "fp32 main-grad buffer")
+    trained = b.params if b.trainable_params is None else b.trainable_params  # LoRA: the adapters only
+    experts = b.expert_params if trained == b.params else 0  # (a mixture's experts carry no adapters)
+    lora = "" if trained == b.params else f" of the {trained:,} adapter params (LoRA)"
+    grads = Term("trainer grads", FP32 * trained, stage.grads, "fp32 main-grad buffer" + lora)
     optim = Term(
         "trainer optimizer",
-        12.0 * ((b.params - b.expert_params) / opt_div + b.expert_params / expert_div),
+        12.0 * ((trained - experts) / opt_div + experts / expert_div),
         stage.optimizer,
-        f"fp32 master + Adam / {opt_div}" + (f", experts / {expert_div}" if b.expert_params else ""),
+        f"fp32 master + Adam / {opt_div}" + (f", experts / {expert_div}" if experts else "") + lora,
     )
     acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
     logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
@@ -204,7 +218,7 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     logprob_pass = Term("logprob pass", stage.logits, stage.logits, "memory model")
     if step is not None:  # the trainer's terms as torch's accounting saw them in the step (rank_step.py)
         weights, grads, optim, acts, logits, logprob_pass, export = _measured_terms(
-            step, stage, weights, grads, optim, export, fp8
+            step, stage, weights, grads, optim, export, fp8, cfg.model.transformer_impl == "local"
         )
     zero = lambda name, why: Term(name, 0.0, 0.0, why)  # noqa: E731
     off_grads, off_optim = zero("trainer grads", "on the host"), zero("trainer optimizer", "on the host")
@@ -229,9 +243,11 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     ]
 
 
-def _measured_terms(step, stage, weights: Term, grads: Term, optim: Term, export: Term, fp8: float):
+def _measured_terms(step, stage, weights: Term, grads: Term, optim: Term, export: Term, fp8: float, local: bool):
     """The trainer's terms from a ``rank_step.RankStep``: the resident state read from the live objects after the
-    step, and each phase's peak over it, beside the memory model (``STEP_MARGIN``)."""
+    step, and each phase's peak over it, beside the memory model (``STEP_MARGIN``). ``local``: megatron-core's local
+    layers (``model.transformer_impl``); the forward pass's model is TE's path, whose head holds two more hidden-size
+    copies per token (measured: dapo_32b_lora's head 1.01 GiB against 1.44): an upper bound there."""
 
     def measured(name: str, value: float, model: float, why: str) -> Term:
         return Term(name, float(value), model, "measured: " + why, STEP_MARGIN)
@@ -244,8 +260,10 @@ def _measured_terms(step, stage, weights: Term, grads: Term, optim: Term, export
         measured("trainer activations + logits", step.transient("train"), stage.activations + stage.logits,
                  f"the update's peak over the resident state ({tokens})"),
         Term("trainer logits", 0.0, 0.0, "in the term above"),
-        measured("logprob pass", step.transient("old_logprobs"), stage.forward_pass,
-                 "the forward-only pass's peak over the resident state"),
+        dataclasses.replace(
+            measured("logprob pass", step.transient("old_logprobs"), stage.forward_pass,
+                     "the forward-only pass's peak over the resident state" + ("; model: TE's, a bound" if local else "")),
+            bound=local),
         dataclasses.replace(
             measured("export in flight", step.transient("export"), export.rehearsed,
                      "the export's peak over the resident state; model: export_plan's bound"), bound=True),
@@ -306,9 +324,14 @@ def rehearse(
         want = placement.coords(b.rank)
         if b.coords() != want:
             failures.append(f"rank {b.rank}: megatron-core places it at {b.coords()}, the launch assumes {want}")
-        expected = count_params(arch, p.tp, p.pp, b.pp, ep=p.ep)
+        lora = cfg.model.lora
+        adapters = lora_params(arch, lora.rank, p.tp, p.pp, b.pp, tuple(lora.targets)) if lora.rank else 0
+        expected = count_params(arch, p.tp, p.pp, b.pp, ep=p.ep) + adapters
         if b.params != expected:
             failures.append(f"rank {b.rank} (PP stage {b.pp}): built {b.params:,} parameters, planner {expected:,}")
+        if lora.rank and b.trainable_params != adapters:
+            failures.append(f"rank {b.rank} (PP stage {b.pp}): {b.trainable_params:,} parameters train, the "
+                            f"planner's LoRA adapters are {adapters:,}")  # fmt: skip
         if b.expert_params != (want_experts := expert_params(arch, p.tp, p.pp, b.pp, p.ep)):
             failures.append(f"rank {b.rank} (PP stage {b.pp}): built {b.expert_params:,} expert parameters, "
                             f"planner {want_experts:,}")  # fmt: skip
@@ -440,10 +463,16 @@ def render(result: Rehearsal) -> str:
         f"{result.gpus_per_node} GPUs, {result.layout_label}; built in {result.seconds:.0f} s"
     ]
     s = result.sync
-    lines.append(
-        f"weight sync: {s.export.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {s.export.buckets} buckets "
-        f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines"
-    )
+    if s.adapter_tensors:
+        lines.append(
+            f"weight sync: the LoRA adapters only, {s.adapter_tensors} tensors, {s.adapter_bytes / gib:.2f} GiB "
+            f"gathered on rank 0 (a PEFT folder, /load_lora_adapter) to {len(s.routes)} engines; the base never moves"
+        )
+    else:
+        lines.append(
+            f"weight sync: {s.export.tensors} HF tensors, {s.model_bytes / gib:.2f} GiB in {s.export.buckets} buckets "
+            f"(largest {s.largest / 2**20:.0f} MiB) to {len(s.routes)} engines"
+        )
     g = s.gather
     lines.append(f"{s.export.describe()}")
     if s.concurrency:

@@ -27,3 +27,19 @@ def test_the_server_gets_lora_flags_with_the_hf_module_names_only_when_it_applie
     assert "--enable-lora" in args
     merged = server_args(load_config("demo_cpu_sglang", ["model.lora.rank=16", "rollout.lora_sync=merged"]))
     assert "--enable-lora" not in merged
+
+
+def test_the_actors_micro_batch_budget_counts_the_adapters_gradients_not_the_bases():
+    """The actor sizes its micro-batches by ``memory.actor_memory``: with LoRA the gradients and Adam states are the
+    adapters' (the full-size rehearsal of dapo_32b_lora found the actor refusing its layout, counting the base's)."""
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.memory import actor_memory, count_params, lora_params
+
+    arch = load_arch("qwen2.5-32b")
+    kw = dict(dtype_bytes=2, tp=8, pp=1, dp=4, layout="thd", distributed_optimizer=True)
+    full = actor_memory(arch, 22528, 22528, **kw)
+    lora = actor_memory(arch, 22528, 22528, lora_rank=64, **kw)
+    adapters = lora_params(arch, 64, tp=8)
+    assert full.grads == 4 * count_params(arch, 8, 1, 0) and lora.grads == 4 * adapters
+    assert lora.optimizer == 12 * adapters / 4 and lora.weights == 2 * (count_params(arch, 8, 1, 0) + adapters)
+    assert lora.activations == full.activations

@@ -16,7 +16,7 @@ from megatron_dapo.planning.rehearsal import rehearse, render
 from tests.helpers import REPO
 
 DOCS = REPO / "docs" / "get-started.md"
-RECIPES = ["dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b"]
+RECIPES = ["dapo_32b", "dapo_qwen3_32b", "dapo_qwen3_30b_a3b", "dapo_32b_lora"]
 
 
 def _block(recipe: str) -> str:
