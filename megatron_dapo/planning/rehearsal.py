@@ -532,6 +532,8 @@ def as_dict(result: Rehearsal) -> dict:
             "gather": dataclasses.asdict(result.sync.gather),
             "routes": result.sync.routes,
             "concurrency_per_server": result.sync.concurrency,
+            "adapter_tensors": result.sync.adapter_tensors,  # LoRA adapter-only sync (0: the whole model)
+            "adapter_bytes": result.sync.adapter_bytes,
         },
         "classes": [
             {
@@ -540,6 +542,7 @@ def as_dict(result: Rehearsal) -> dict:
                 "ranks": c.ranks,
                 "params": c.build.params,
                 "param_bytes": c.build.param_bytes,
+                "trainable_params": c.build.trainable_params,
                 "phases": {
                     ph.phase: {
                         "rehearsed": ph.rehearsed,

@@ -176,3 +176,19 @@ def test_each_schedules_sync_is_walked_at_the_recipes_rank_count(dapo_32b, monke
     r = rehearse(load_config("dapo_32b", []), 16, 8, "dapo_32b")
     assert any(f.startswith("control plane: stream: rank 64 enters") for f in r.failures), r.failures
     assert not any(f.startswith("control plane: sync:") for f in r.failures)
+
+
+def test_the_lora_recipe_builds_its_adapters_trains_only_them_and_fits_a_quarter_of_the_nodes(capsys):
+    """dapo_32b_lora: every rank built with its adapters (the trainable parameters are the planner's lora_params), the
+    sync the adapters only, every phase fits on 4 nodes; without LoRA the same layout does not fit."""
+    from megatron_dapo.models.memory import lora_params
+
+    assert rehearsal.main(["--recipe", "dapo_32b_lora", "--json", "--no-step"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["world"] == 32 and data["sync"]["adapter_tensors"] == 896
+    arch = load_arch("qwen2.5-32b")
+    assert data["sync"]["adapter_bytes"] == 2 * lora_params(arch, 64)
+    r = rehearse(load_config("dapo_32b_lora"), 4, 8, "dapo_32b_lora", step=False)
+    assert {c.build.trainable_params for c in r.classes} == {lora_params(arch, 64, tp=8)}
+    full = rehearse(load_config("dapo_32b_lora", ["model.lora.rank=0"]), 4, 8, "full", step=False)
+    assert not full.ok and any("train phase needs" in f for f in full.failures), full.failures
