@@ -115,7 +115,7 @@ def export_hf_tensors(
     yield from _bucketed(_export_items(model_chunks, arch, dst, merge_lora), bucket_bytes)
 
 
-def _export_items(model_chunks, arch: ArchConfig, dst: str, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_items(model_chunks, arch: ArchConfig, dst: str, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
     params = export_order(arch)

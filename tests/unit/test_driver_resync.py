@@ -21,11 +21,12 @@ class FakeSync:
         return SimpleNamespace(version=version, tensors=3, seconds=0.0, verified=3)
 
 
-def _driver(tp=1, pp=1, node_url=None, *extra):
+def _driver(tp=1, pp=1, node_url=None, *extra, adapters_only=False):
     cfg = load_config("demo_cpu", [f"parallel.tp={tp}", f"parallel.pp={pp}", *extra])
     node_sync = SimpleNamespace(route=SimpleNamespace(url=node_url)) if node_url else None
     return SimpleNamespace(cfg=cfg, node_sync=node_sync, actor=SimpleNamespace(model=["model"]), arch=None,
-                           sync=FakeSync(), engine=SimpleNamespace(weight_version=7))  # fmt: skip
+                           sync=FakeSync(), engine=SimpleNamespace(weight_version=7),
+                           adapters_only=adapters_only)  # fmt: skip
 
 
 @pytest.fixture
@@ -57,6 +58,18 @@ def test_rank0_resyncs_a_restarted_server_to_the_engines_version(world, capsys):
     world(4)  # data parallel only (TP = PP = 1): rank 0 holds the whole model
     RolloutDriver.resync(d, [server("http://n1:10008")])
     assert len(d.sync.calls) == 2
+
+
+def test_with_adapter_only_sync_a_restarted_server_gets_the_current_adapter_not_the_model(world, monkeypatch):
+    """LoRA (rollout.lora_sync): the server restarts from the base on disk; only the adapters are resent."""
+    import megatron_dapo.bridge.peft as peft
+
+    monkeypatch.setattr(peft, "adapter_hf_tensors", lambda model, arch: {"b.lora_B.weight": 2, "a.lora_A.weight": 1})
+    world(1)
+    d = _driver(adapters_only=True)
+    RolloutDriver.resync(d, [server("http://n1:10008")])
+    buckets, version, workers = d.sync.calls[0]
+    assert buckets == [[("a.lora_A.weight", 1), ("b.lora_B.weight", 2)]] and version == 7
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])

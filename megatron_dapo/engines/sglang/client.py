@@ -76,6 +76,8 @@ class _Failed:
 class SGLangEngine(Aborts):
     """``RolloutEngine`` over SGLang servers (HTTP)."""
 
+    lora_name: str | None = None  # LoRA adapter-only sync: the adapter requests run with (adapter_sync.py)
+
     def __init__(
         self,
         servers: Sequence[SGLangServer],
@@ -124,7 +126,6 @@ class SGLangEngine(Aborts):
         self._closed = threading.Event()  # set by shutdown: background re-aborts stop
         self._released: dict[str, set[str]] = {s.url: set() for s in self.servers}  # url -> tags released (sleep)
         self.routes = routes  # MoE routing replay: ask every request for its routed experts
-        self.lora_name: str | None = None  # LoRA adapter-only sync: the adapter requests run with (adapter_sync.py)
         if start:
             self.start()
 
