@@ -35,6 +35,7 @@ from megatron_dapo.models.arch import load_arch
 from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_params, lora_params, total_params
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # model.dtype -> bytes a parameter
 MARGIN = 0.02  # the built model and the memory model must agree on every term within 2%
 STEP_MARGIN = 0.10  # a term measured by the step (torch's accounting) and the memory model: within 10%
 PHASES = ("startup", "rollout", "sync", "old_logprobs", "train", "export")
@@ -152,7 +153,7 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
 
         lora = cfg.model.lora
         plan.adapter_tensors = 2 * len(peft_config(arch, lora)["target_modules"]) * arch.num_layers
-        dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+        dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
         plan.adapter_bytes = dtype_bytes * lora_params(arch, lora.rank, targets=tuple(lora.targets))
     return plan
 
@@ -179,7 +180,7 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     expert_div = opt_div // layout.ep if layout.distributed_optimizer else 1  # experts: over DP·CP/EP replicas
     # every parameter in the model's dtype: megatron-core's Float16Module casts the built model (the local spec's
     # norms are built in fp32 here: param_bytes differs by their few bytes)
-    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     weights = Term(
         "trainer weights",
         dtype_bytes * b.params + fp8,

@@ -30,7 +30,7 @@ import torch
 
 from megatron_dapo.engines.sglang import types as T
 from megatron_dapo.engines.sglang.sync import SGLangSync
-from megatron_dapo.sync.weight_sync import Checksum, tensor_checksum
+from megatron_dapo.sync.weight_sync import _Checksums, tensor_checksum
 from megatron_dapo.types import WeightSyncError
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -97,11 +97,8 @@ class AdapterSync(SGLangSync):
 
     # -- verification: each server lists the adapter from its folder, whose tensors are what the actor exported -----
 
-    def _expectation(self) -> _AdapterChecksums:
-        return _AdapterChecksums()
-
-    def _describe(self, key: Any) -> str:
-        return repr(key)
+    def _expectation(self) -> _HostChecksums:
+        return _HostChecksums(None)
 
     def _observe(self, keys: list, workers: list | None) -> dict[str, dict]:
         from safetensors.torch import load_file
@@ -116,12 +113,8 @@ class AdapterSync(SGLangSync):
         return out
 
 
-class _AdapterChecksums:
-    def __init__(self) -> None:
-        self.sums: dict[str, Checksum] = {}
+class _HostChecksums(_Checksums):
+    """The sent tensors' checksums as ``_observe`` computes them from the folder: on the host, in their own dtype."""
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.sums[name] = tensor_checksum(tensor.detach().cpu())
-
-    def result(self) -> dict[str, Checksum]:
-        return dict(self.sums)
+        super().add(name, tensor.detach().cpu())
