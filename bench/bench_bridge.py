@@ -117,7 +117,7 @@ def phase_to_megatron(d: Path) -> dict:
 
 
 def phase_to_hf(d: Path, shard_mb: int) -> dict:
-    from megatron_dapo.bridge.convert import megatron_to_hf
+    from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 
     shutil.rmtree(d / "back", ignore_errors=True)
     megatron_to_hf(d / "mg", d / "back", max_shard_size=shard_mb << 20, bucket_bytes=BUCKET)

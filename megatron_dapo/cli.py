@@ -43,7 +43,11 @@ def _train(args) -> int:
     trainer.run()
     if trainer.is_driver and not trainer.stopped_early:
         run = trainer.run_dir
-        print(f"\ncheckpoints: {run / 'checkpoints'}\nHF model:    {run / 'hf'}\nmetrics:     {run / 'metrics.jsonl'}")
+        print(f"\ncheckpoints: {run / 'checkpoints'}")
+        for label, path in (("HF model:   ", run / "hf"), ("adapter:    ", run / "hf_adapter")):
+            if path.is_dir():  # train.export_hf (on by default); the adapter of a LoRA run, in PEFT's format
+                print(f"{label} {path}")
+        print(f"metrics:     {run / 'metrics.jsonl'}")
         from megatron_dapo.report import make_report
 
         print(f"report:      {make_report(run)}")

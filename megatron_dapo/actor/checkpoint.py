@@ -4,7 +4,9 @@ Layout of a checkpoint directory (written to ``.<name>.tmp`` and renamed when co
 directory that looks complete):
 - the ``torch_dist`` files of ``dist_checkpointing`` holding ``model`` (+ ``optimizer``, ``rng``) sharded tensors and
   common state (``scheduler``, ``step``, ``extra``: the caller's data cursor, sampler state, ...);
-- ``dapo_meta.json``: format tag, architecture, real vocab size, dtype, the TP/PP it was written at, step.
+- ``dapo_meta.json``: format tag, architecture, real vocab size, dtype, the TP/PP it was written at, step; for a LoRA
+  run its ``lora`` settings, and, when the checkpoint holds the adapters alone (``"weights": "adapters"``), where the
+  frozen base comes from (``base``: ``{"hf_init": dir}`` or ``{"load": checkpoint}``) and the base's fingerprint.
 Parameter keys are canonical (the local layer spec's names), so a checkpoint written on CPU loads under the
 Transformer Engine spec on GPU and back: TE fuses the pre-attention / pre-MLP norms into the following linear layer.
 """
@@ -85,6 +87,55 @@ def _model_sharded_state_dict(actor) -> dict:
     return {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
 
 
+def _is_adapter_key(key: str) -> bool:
+    return ".lora_" in key
+
+
+def base_source(cfg) -> dict | None:
+    """Where a LoRA run's frozen base comes from when its checkpoints hold the adapters alone (``model.lora.checkpoint
+    = adapters`` and a base read from a file); None when checkpoints hold every weight. A ``model.load`` that itself
+    holds adapters alone names its own base: that is this run's base too."""
+    m = cfg.model
+    if not m.lora.rank or m.lora.checkpoint != "adapters":
+        return None
+    if m.load:
+        meta = read_meta(m.load)
+        return meta["base"] if meta.get("weights") == "adapters" else {"load": str(Path(m.load).resolve())}
+    return {"hf_init": str(Path(m.hf_init).resolve())} if m.hf_init else None
+
+
+def base_fingerprint(actor) -> list[float]:
+    """The frozen base's weights as [sum, sum of squares] in float64 over the whole model: each element counted once,
+    on the rank that holds its main replica (what ``dist_checkpointing`` saves), so the same at any TP/PP up to
+    rounding (the vocabulary's padding rows, more of them at a larger TP, are zeros). Cached: the base never changes
+    during a run."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    if getattr(actor, "_base_fingerprint", None) is None:
+        acc = torch.zeros(2, dtype=torch.float64, device=actor.device)
+        for key, sh in _model_sharded_state_dict(actor).items():
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and not _is_adapter_key(key):
+                if is_main_replica(sh.replica_id):
+                    x = sh.data.detach().to(torch.float64)
+                    acc += torch.stack([x.sum(), (x * x).sum()])
+        dist.all_reduce(acc)
+        actor._base_fingerprint = acc.tolist()
+    return actor._base_fingerprint
+
+
+def check_base(actor, meta: dict, path) -> None:
+    """The base just loaded under an adapters-only checkpoint must be the base it was trained on (a PEFT adapter
+    converted by ``dapo convert`` names its base by path only: no fingerprint to check)."""
+    if "base_fingerprint" not in meta:
+        return
+    want, got = meta["base_fingerprint"], base_fingerprint(actor)
+    if any(abs(g - w) > 1e-9 * max(1.0, abs(w)) for g, w in zip(got, want)):
+        raise ConfigError(
+            f"{path} holds LoRA adapters trained on the base {meta['base']}, but the base loaded now differs "
+            f"(sum and sum of squares of its weights: {got} vs {want} at save): load the base it was trained on"
+        )
+
+
 def _rng_object(state=None):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -110,7 +161,8 @@ def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
     def per_param(p) -> int:
         return p.element_size() + ((8 + (4 if p.element_size() < 4 else 0)) if has_optimizer else 0)
 
-    local = sum(p.numel() * per_param(p) for _, p in actor.named_parameters())
+    saved = [p for _, p in actor.named_parameters() if p.requires_grad or base_source(actor.cfg) is None]
+    local = sum(p.numel() * per_param(p) for p in saved)
     local = local if parallel_state.get_data_parallel_rank() == 0 else 0
     total = torch.tensor([local], dtype=torch.float64, device=actor.device)
     dist.all_reduce(total)
@@ -157,7 +209,11 @@ def save(actor, path, extra: dict) -> None:
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
+    base = base_source(actor.cfg)
+    fingerprint = base_fingerprint(actor) if base else None
     model_sd = _model_sharded_state_dict(actor)
+    if base:  # the frozen base is in its own file: the adapters (and their optimizer state) alone
+        model_sd = {k: v for k, v in model_sd.items() if _is_adapter_key(k)}
     state = {
         "model": model_sd,
         "optimizer": actor.optimizer.sharded_state_dict(model_sd) if has_optimizer else {},
@@ -192,7 +248,18 @@ def save(actor, path, extra: dict) -> None:
             "pp": actor.cfg.parallel.pp,
             "world_size": dist.get_world_size(),
             "step": actor.step,
+            "weights": "adapters" if base else "all",
         }
+        lora = actor.cfg.model.lora
+        if lora.rank:
+            meta["lora"] = {
+                "rank": lora.rank,
+                "alpha": lora.alpha,
+                "dropout": lora.dropout,
+                "targets": list(lora.targets),
+            }
+        if base:
+            meta.update(base=base, base_fingerprint=fingerprint)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if path.exists():
             old = path.parent / f".{path.name}.old"
@@ -222,13 +289,31 @@ def check_arch(path, arch: ArchConfig) -> dict:
     return meta
 
 
-def load(actor, path, load_optimizer: bool = True) -> dict:
-    """Load model (and optimizer, scheduler, RNG, step when present and asked); return the caller's ``extra``."""
+def load(actor, path, load_optimizer: bool = True, base_loaded: bool = False) -> dict:
+    """Load model (and optimizer, scheduler, RNG, step when present and asked); return the caller's ``extra``.
+
+    A checkpoint that holds LoRA adapters alone needs its base in the model first (``bridge.load.load_checkpoint``
+    loads it and passes ``base_loaded``); it is then checked against the checkpoint's fingerprint."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     meta = check_arch(path, actor.arch)
+    adapters_only = meta.get("weights") == "adapters"
+    if adapters_only and not base_loaded:
+        raise ConfigError(f"{path} holds LoRA adapters alone: load its base {meta['base']} first "
+                          "(megatron_dapo.bridge.load.load_checkpoint does)")  # fmt: skip
+    mine, saved = getattr(getattr(actor, "cfg", None), "model", None), meta.get("lora")
+    if saved and mine is not None and (mine.lora.rank, mine.lora.alpha) != (saved["rank"], saved["alpha"]):
+        raise ConfigError(f"{path} holds LoRA adapters of rank {saved['rank']}, alpha {saved['alpha']}; the model has "
+                          f"model.lora.rank = {mine.lora.rank}, model.lora.alpha = {mine.lora.alpha}")  # fmt: skip
     model_sd = _model_sharded_state_dict(actor)
+    if adapters_only:
+        check_base(actor, meta, path)
+        model_sd = {k: v for k, v in model_sd.items() if _is_adapter_key(k)}
+        if not model_sd:
+            raise ConfigError(f"{path} holds LoRA adapters alone, and this model has none (model.lora.rank = 0)")
+    elif not saved:  # a checkpoint without adapters as a LoRA run's base: the adapters keep their initial values
+        model_sd = {k: v for k, v in model_sd.items() if not _is_adapter_key(k)}
     request = {"model": model_sd}
     full = load_optimizer and meta.get("kind", "full") == "full"
     with_optimizer = full and meta.get("optimizer_state", False)
@@ -239,7 +324,8 @@ def load(actor, path, load_optimizer: bool = True) -> dict:
             request["rng"] = _rng_object()
     state = dist_checkpointing.load(request, str(path))
     missing, unexpected = actor.model[0].module.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    wanted = _is_adapter_key if adapters_only else (lambda k: saved or not _is_adapter_key(k))
+    missing = [k for k in missing if not k.endswith("_extra_state") and wanted(k)]
     if missing or unexpected:
         raise ValueError(f"{path}: model tensors missing {missing} / unexpected {unexpected}")
     if with_optimizer:

@@ -6,7 +6,8 @@ hf_to_megatron(hf_dir, out_dir) / megatron_to_hf(ckpt_dir, out_dir, hf_template=
 export_hf_tensors(model_chunks, arch)                  # weight sync: buckets of (hf_name, full tensor)
 """
 
-from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, read_meta, write_meta
+from megatron_dapo.bridge.convert import hf_to_megatron, read_meta, write_meta
+from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 from megatron_dapo.bridge.export import export_hf_tensors, local_parameters
 from megatron_dapo.bridge.reshard import gather_model, gather_tp, merge_tp, split_model, split_tp, stage_of_layer
 

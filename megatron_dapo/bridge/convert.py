@@ -7,8 +7,9 @@ time: each HF shard is read (plain reads, no mmap), cut into checkpoint pieces (
 ``[gate; up]`` halves — views of the HF tensors, never whole fused tensors), saved with ``dist_checkpointing.save`` into
 a part directory, and freed; the parts' torch-DCP metadata are merged at the end. Peak memory ≈ one HF shard.
 
-Megatron → HF (``megatron_to_hf``): layers are loaded a bucket at a time and written into safetensors shards of at most
-``max_shard_size``, with ``model.safetensors.index.json``, ``config.json`` and the template's tokenizer files.
+Megatron → HF (``convert_to_hf.megatron_to_hf``): layers are loaded a bucket at a time and written into safetensors
+shards of at most ``max_shard_size``, with ``model.safetensors.index.json``, ``config.json`` and the template's tokenizer
+files. LoRA adapters, both ways: ``convert_lora.py``.
 
 Layout of a converted checkpoint directory (what ``MegatronActor.load(dir, load_optimizer=False)`` reads)::
 
@@ -39,8 +40,8 @@ from megatron_dapo.actor.checkpoint import FORMAT, META_FILE, use_forked_results
 from megatron_dapo.bridge.reshard import check_divisible
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, compare_arch, load_arch
-from megatron_dapo.models.hf_config import arch_from_hf, hf_from_arch, read_hf_config
-from megatron_dapo.models.mapping import Param, checkpoint_axes
+from megatron_dapo.models.hf_config import arch_from_hf, read_hf_config
+from megatron_dapo.models.mapping import checkpoint_axes
 from megatron_dapo.models.registry import table_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -380,73 +381,37 @@ def _merge_dcp_parts(parts: list[Path], dest: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Megatron → HF
+# Reading a megatron dist checkpoint
 
 
-def _ckpt_layout(ckpt_dir: Path, arch: ArchConfig) -> dict[str, tuple]:
-    """For every parameter: (checkpoint key, its (index, count) on the leading axes, stored shape, dtype).
-
-    Accepts the actor's canonical keys and megatron-core's own (TE-spelled) keys, stacked or one key per layer;
-    raises one error listing missing / unexpected / wrongly shaped model tensors.
-    """
+def tensors_metadata(ckpt_dir: Path) -> tuple[dict, dict]:
+    """Every stored tensor's global shape and dtype."""
     from megatron.core import dist_checkpointing
 
     try:
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     except Exception as e:  # noqa: BLE001 - a missing/corrupt checkpoint surfaces as many exception types
         raise ConfigError(f"{ckpt_dir}: not a readable megatron dist checkpoint ({type(e).__name__}: {e})") from e
-    shapes = {k: tuple(v.global_shape) for k, v in meta.items()}
-    dtypes = {k: v.dtype for k, v in meta.items()}
-    layout, present, expected = {}, {}, {}
-    for p in table_for(arch).params(arch):
-        want = p.shape()
-        expected[p.megatron] = want
-        found = None
-        for te in (False, True):
-            key, axes = checkpoint_axes(p, te)
-            if key in shapes:
-                stored = shapes[key]
-                counts = tuple(count for _, count in axes)
-                if stored[: len(axes)] != counts:
-                    what = "layers" if not p.arch.is_moe else "experts"
-                    raise ConfigError(f"{ckpt_dir}: {key}: {stored[0]} {what} stored, model has {counts[0]}")
-                found = (key, axes, stored[len(axes) :])
-            elif axes and not p.arch.is_moe:  # a dense model saved one key per layer
-                key = key.replace("layers.", f"layers.{p.layer}.", 1)
-                if key in shapes:
-                    found = (key, (), shapes[key])
-            if found:
-                break
-        if found is None:
-            continue
-        key, axes, got = found
-        if p.mapping.vocab and len(got) == len(want) and got[0] >= arch.vocab_size and got[1:] == want[1:]:
-            got = want  # vocabulary rows padded for TP: stripped on conversion
-        present[p.megatron] = got
-        layout[p.megatron] = (key, axes, shapes[key], dtypes[key])
-    model_keys = re.compile(r"^(embedding|decoder|output_layer)\.")
-    known = {v[0] for v in layout.values()}
-    stray = [k for k in shapes if model_keys.match(k) and k not in known and not k.endswith("_extra_state")]
-    if arch.tie_embeddings:
-        stray = [k for k in stray if k != "output_layer.weight"]
-    present.update({k: shapes[k] for k in stray})
-    _check_tensors(str(ckpt_dir), present, expected, lambda n: False)
-    return layout
+    return {k: tuple(v.global_shape) for k, v in meta.items()}, {k: v.dtype for k, v in meta.items()}
 
 
-def _load_params(ckpt_dir: Path, params: list[Param], layout: dict) -> dict[str, torch.Tensor]:
+def load_entries(ckpt_dir: Path, entries: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """``{name: (key, axes, stored shape, dtype)}`` → ``{name: the tensor at those leading-axis indices}``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     sharded = {}
-    for p in params:
-        key, axes, shape, dtype = layout[p.megatron]
+    for name, (key, axes, shape, dtype) in entries.items():
         # A real leading dim of 1 per axis (not prepend_axis_num), so that a subset of the layers can be read.
         t = torch.empty((1,) * len(axes) + tuple(shape[len(axes) :]), dtype=dtype)
         offsets = [(i, index, count) for i, (index, count) in enumerate(axes)]
-        sharded[p.megatron] = ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=0)
+        sharded[name] = ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=0)
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir), validate_access_integrity=False)
-    return {name: loaded[name].reshape(loaded[name].shape[len(layout[name][1]) :]) for name in sharded}
+    return {name: loaded[name].reshape(loaded[name].shape[len(entries[name][1]) :]) for name in sharded}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writing safetensors shards (Megatron → HF, and the trainer's HF export)
 
 
 class _ShardWriter:
@@ -521,67 +486,3 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ConfigError(f"--max-shard-size {text!r}: expected a size like 2GB or 500MB")
     return int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2).upper() or "_"))
-
-
-def megatron_to_hf(
-    ckpt_dir: str | Path,
-    out_dir: str | Path,
-    hf_template: str | Path | None = None,
-    overwrite: bool = False,
-    max_shard_size: str | int = "2GB",
-    bucket_bytes: int = 512 << 20,
-    progress: bool = False,
-) -> ArchConfig:
-    """Convert a megatron-dapo checkpoint (converted or saved by the actor) into an HF directory transformers loads."""
-    ckpt_dir, out = Path(ckpt_dir), Path(out_dir)
-    if not ckpt_dir.is_dir():
-        raise ConfigError(f"{ckpt_dir}: checkpoint directory does not exist")
-    template_cfg = None
-    if hf_template is not None:
-        template_cfg = read_hf_config(Path(hf_template))
-    if (ckpt_dir / META_FILE).is_file() or template_cfg is None:
-        arch, meta = read_meta(ckpt_dir)
-        if template_cfg is not None:
-            compare_arch(
-                arch, arch_from_hf(template_cfg, source=f"{hf_template}/config.json"), f"{hf_template}/config.json"
-            )
-    else:
-        arch, meta = arch_from_hf(template_cfg, source=f"{hf_template}/config.json"), {}
-    max_bytes = parse_size(max_shard_size)
-    check_output_dir(out, overwrite)
-    with single_process_group():
-        layout = _ckpt_layout(ckpt_dir, arch)
-    dtype = next(iter(layout.values()))[3]
-    dtype_name = meta.get("dtype") or DTYPE_NAMES.get(dtype, "fp32")
-    table = table_for(arch)
-    params = table.params(arch)
-    buckets, cur, size = [], [], 0
-    for p in params:
-        nbytes = int(torch.Size(p.shape()).numel()) * torch.empty((), dtype=layout[p.megatron][3]).element_size()
-        if cur and size + nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += nbytes
-    buckets.append(cur)
-    with staged_output(out) as tmp, single_process_group(), _progress(progress) as bar:
-        task = bar.add_task("Megatron → HF", total=len(params))
-        plan = [(h, tuple(s), layout[p.megatron][3]) for p in params for h, s in zip(p.hf, p.hf_shapes())]
-        writer = _ShardWriter(tmp, plan, max_bytes)
-        for bucket in buckets:
-            full = _load_params(ckpt_dir, bucket, layout)
-            for p in bucket:
-                for name, t in zip(p.hf, p.to_hf(full.pop(p.megatron))):
-                    writer.add(name, t)
-                bar.advance(task)
-        writer.close()
-        cfg = dict(template_cfg) if template_cfg is not None else {}
-        cfg.update(hf_from_arch(arch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype_name]))
-        if "dtype" in cfg:  # transformers >= 5 writes "dtype"; keep the two spellings consistent
-            cfg["dtype"] = cfg["torch_dtype"]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if hf_template is not None:
-            for f in sorted(Path(hf_template).iterdir()):
-                if f.is_file() and TEMPLATE_FILES.match(f.name):
-                    shutil.copy2(f, tmp / f.name)
-    return arch

@@ -1,5 +1,6 @@
 """Load an HF checkpoint straight into a live, sharded megatron model (``model.hf_init``): each rank reads only the
-tensors of its pipeline stage and keeps only its tensor-parallel shard."""
+tensors of its pipeline stage and keeps only its tensor-parallel shard. And ``load_checkpoint``: a megatron-dapo
+checkpoint, with its frozen base first when it holds a LoRA run's adapters alone."""
 
 from __future__ import annotations
 
@@ -54,3 +55,30 @@ def load_hf_into_model(model_chunks, arch: ArchConfig, hf_dir: str | Path, te: b
             own["output_layer.weight"].copy_(shard(embed))
         loaded += 1
     return loaded
+
+
+def load_base(actor, base: dict) -> None:
+    """Load a LoRA run's frozen base into ``actor``'s model: ``{"hf_init": dir}`` or ``{"load": checkpoint}``."""
+    if "hf_init" in base:
+        load_hf_into_model(actor.model, actor.arch, base["hf_init"], te=getattr(actor, "te", False))
+    else:
+        load_checkpoint(actor, base["load"], load_optimizer=False)
+
+
+def load_checkpoint(actor, path, load_optimizer: bool = True, base: dict | None = None) -> dict:
+    """``actor.load``, with the frozen base loaded first when the checkpoint holds a LoRA run's adapters alone: from
+    ``base`` when given (the run's config: where the base is now), else from where the checkpoint says it was. The
+    base is then checked against the checkpoint's fingerprint (``actor/checkpoint.check_base``)."""
+    from megatron_dapo.actor import checkpoint as ckpt
+
+    meta = ckpt.check_arch(path, actor.arch)
+    adapters_only = meta.get("weights") == "adapters"
+    if adapters_only:
+        source = base or meta["base"]
+        where = next(iter(source.values()))
+        if not Path(where).exists():
+            raise ConfigError(f"{path} holds LoRA adapters alone; its base {where} does not exist (model.hf_init / "
+                              "model.load: where the base is now)")  # fmt: skip
+        actor._base_fingerprint = None  # a new base: fingerprinted once loaded
+        load_base(actor, source)
+    return ckpt.load(actor, path, load_optimizer=load_optimizer, base_loaded=adapters_only)

@@ -33,14 +33,19 @@ def adapter_hf_tensors(model_chunks, arch) -> dict[str, torch.Tensor]:
         p = plan[f"{stem}.weight"]
         a, b = local[f"{stem}.lora_A"].detach(), local[name].detach()
         if p.mapping.tp_dim == 0:  # column-parallel: B split over the output rows
-            bs = p.to_hf(gather_tp(p, b, group))
-            parts = [(hf, a, part) for hf, part in zip(p.hf, bs)]
+            b = gather_tp(p, b, group)
         else:  # row-parallel: A split over the input columns
-            parts = [(p.hf[0], gather_tp(p, a, group), b)]
-        for hf, part_a, part_b in parts:
+            a = gather_tp(p, a, group)
+        for hf, part_a, part_b in peft_parts(p, a, b):
             out[peft_name(hf, "A")] = part_a.clone()
             out[peft_name(hf, "B")] = part_b.clone()
     return out
+
+
+def peft_parts(p, a: torch.Tensor, b: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(HF weight name, A, B)`` per HF module of one adapted layer, from its whole A and B: a fused layer's B rows go
+    where the bridge puts the weight's rows, each part with the shared A."""
+    return [(hf, a, part) for hf, part in zip(p.hf, p.to_hf(b))]
 
 
 def _distributed() -> bool:

@@ -55,6 +55,9 @@ class LoraConfig:
     # peft: A Kaiming-uniform, B = 0 (step 0 is the base model); random: B random too, N(0, 0.02), as PEFT's
     # init_lora_weights=False (tests: the adapted model differs from the base from the first step)
     init: Literal["peft", "random"] = "peft"
+    # adapters: checkpoints hold the adapters (and their optimizer state) alone when the frozen base comes from a file
+    # (model.hf_init / model.load), which a resume loads first and checks by its fingerprint; full: the base too
+    checkpoint: Literal["adapters", "full"] = "adapters"
 
 
 @dataclass

@@ -70,6 +70,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     ``samples_out``: also write every scored sample there (JSONL)."""
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.checkpoint import read_meta
+    from megatron_dapo.bridge.load import load_checkpoint
     from megatron_dapo.data.sources import build_eval_datasets
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.loop.control import broadcast, is_driver, set_control_timeout
@@ -83,7 +84,7 @@ def evaluate_checkpoint(cfg: DapoConfig, path: str | Path, samples_out: str | Pa
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_init)
     datasets = build_eval_datasets(cfg, tokenizer)
     actor = MegatronActor(cfg, arch)
-    actor.load(path, load_optimizer=False)
+    load_checkpoint(actor, path, load_optimizer=False)  # a LoRA run's adapters: with their base
     rollout = RolloutDriver(cfg, arch, tokenizer, Path(cfg.train.run_dir) / cfg.train.name, actor)
     rollout.sync_weights(actor, version=0)
     results, samples = None, []

@@ -320,16 +320,17 @@ class Trainer:
     def _restore(self, path: Path | None) -> int:
         """Load the resume checkpoint (or ``model.load`` / ``model.hf_init`` for a fresh start); return the step to
         continue after."""
+        from megatron_dapo.actor.checkpoint import base_source
+        from megatron_dapo.bridge.load import load_checkpoint, load_hf_into_model
+
         self._resume_extra = None
         if path is None:
             if self.cfg.model.load:
-                self.actor.load(self.cfg.model.load, load_optimizer=False)
+                load_checkpoint(self.actor, self.cfg.model.load, load_optimizer=False)
             elif self.cfg.model.hf_init:
-                from megatron_dapo.bridge.load import load_hf_into_model
-
                 load_hf_into_model(self.actor.model, self.arch, self.cfg.model.hf_init, te=self.actor.te)
             return 0
-        extra = self.actor.load(path)
+        extra = load_checkpoint(self.actor, path, base=base_source(self.cfg))  # a LoRA run's base first
         self.samples_generated = int(extra.get("samples_generated", 0))
         self.rl_seconds = self.rl_seconds_before = float(extra.get("rl_seconds", 0.0))
         self._resume_extra = extra  # prompt cursor, sampler, carried samples: the schedule's, once it is built

@@ -24,7 +24,7 @@ def run(scenario: str, out: str, args: list[str]) -> None:
 
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.bridge.export import export_hf_tensors, save_hf_checkpoint
-    from megatron_dapo.bridge.load import load_hf_into_model
+    from megatron_dapo.bridge.load import load_checkpoint, load_hf_into_model
     from megatron_dapo.bridge.peft import save_peft_adapter
 
     kv = dict(a.split("=", 1) for a in args)
@@ -33,8 +33,8 @@ def run(scenario: str, out: str, args: list[str]) -> None:
     actor = MegatronActor(cfg)
     if cfg.model.hf_init:  # as the trainer starts from model.hf_init (loop/trainer.py)
         load_hf_into_model(actor.model, actor.arch, cfg.model.hf_init, te=actor.te)
-    if load:  # a checkpoint of the actor (the adapters with their base, the optimizer)
-        actor.load(load)
+    if load:  # a checkpoint of the actor (the adapters, with their base read where the checkpoint names it)
+        load_checkpoint(actor, load)
     seqs = make_seqs()
     result = {"trainable": sorted(n for n, p in actor.named_parameters() if p.requires_grad)}
     result["lora_params"] = sum(p.numel() for n, p in actor.named_parameters() if ".lora_" in n)  # rank 0's

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
+from megatron_dapo.bridge.convert import hf_to_megatron
+from megatron_dapo.bridge.convert_lora import peft_to_megatron
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).with_name("lora_worker.py")
@@ -42,10 +45,16 @@ def runs(tmp_path_factory):
         ("train", "train_tp2pp2.pt",
          [*TP2PP2, *LORA, *base, f"hf={d / 'merged_hf'}", f"save={d / 'ckpt'}", f"peft={d / 'peft'}"]),
     ])  # fmt: skip
+    # dapo convert, both ways: the TP 2 x PP 2 checkpoint (adapters alone) to HF + PEFT, and the PEFT folder back
+    megatron_to_hf(d / "ckpt", d / "converted_hf")
+    peft_to_megatron(d / "base_hf", d / "peft", d / "from_peft")
+    hf_to_megatron(d / "base_hf", d / "base_megatron")  # a base without adapters, as model.load of a LoRA run
     _launch(d, 1, "one", [
         ("train", "train_tp1.pt", [*LORA, *base]),
         ("logprobs", "merged_tp1.pt", [f"model.hf_init={d / 'merged_hf'}"]),
         ("logprobs", "resumed_tp1.pt", [*LORA, f"load={d / 'ckpt'}"]),
+        ("logprobs", "from_peft_tp1.pt", [*LORA, f"load={d / 'from_peft'}"]),
+        ("logprobs", "zero_on_megatron_base_tp1.pt", [*LORA, f"load={d / 'base_megatron'}"]),
     ])  # fmt: skip
     out = {p.stem: torch.load(p) for p in d.glob("*.pt")}
     out["dir"] = d
@@ -90,6 +99,44 @@ def test_the_merged_checkpoint_without_lora_gives_the_adapted_logprobs(runs):
 def test_a_checkpoint_at_tp2_pp2_resumes_its_adapters_in_one_process(runs):
     """The adapters' TP-split halves are saved as split tensors (actor/lora.py sharded_state_dict) and resharded."""
     assert _gap(runs["train_tp2pp2"]["logprobs"], runs["resumed_tp1"]["logprobs"]) < 1e-5
+
+
+def test_the_checkpoint_holds_the_adapters_alone_and_names_its_base(runs):
+    d = runs["dir"]
+    meta = json.loads((d / "ckpt" / "dapo_meta.json").read_text())
+    assert meta["weights"] == "adapters" and meta["base"] == {"hf_init": str((d / "base_hf").resolve())}
+    assert len(meta["base_fingerprint"]) == 2
+
+
+def test_dapo_convert_merges_the_adapters_and_writes_the_peft_folder(runs):
+    """megatron-to-hf of a checkpoint holding the adapters alone: the base read from its HF folder, each target merged
+    (W + (α/r) B A, the fused QKV / gate-up rows split as the bridge splits the weight) equals the live actor's merged
+    export; the PEFT folder beside it equals the actor's own PEFT export."""
+    from safetensors.torch import load_file
+
+    d = runs["dir"]
+    merged = runs["train_tp2pp2"]["merged"]
+    converted = {}
+    for f in (d / "converted_hf").glob("*.safetensors"):
+        converted.update(load_file(f))
+    assert set(converted) == set(merged) - {"lm_head.weight"} or set(converted) == set(merged)
+    gaps = {n: float((converted[n] - merged[n]).abs().max()) for n in converted}
+    assert max(gaps.values()) < 1e-6, sorted(gaps.items(), key=lambda kv: -kv[1])[:3]
+    ours, theirs = load_file(d / "converted_hf_adapter" / "adapter_model.safetensors"), load_file(d / "peft" / "adapter_model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    cfg = json.loads((d / "converted_hf_adapter" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"]) == (4, 8.0)
+
+
+def test_a_megatron_checkpoint_without_adapters_is_a_lora_runs_base(runs):
+    """model.load of a checkpoint with no adapters (a full fine-tuning's, a converted base) into a LoRA model: the base
+    loads, the adapters keep their start (B = 0), so the logprobs are the base's."""
+    assert _gap(runs["base_tp1"]["logprobs"], runs["zero_on_megatron_base_tp1"]["logprobs"]) < 1e-5
+
+
+def test_a_peft_adapter_converted_to_megatron_gives_the_actors_logprobs(runs):
+    """hf-to-megatron --adapter: the PEFT folder on its HF base, loaded by the actor (model.load), is the trained actor."""
+    assert _gap(runs["train_tp2pp2"]["logprobs"], runs["from_peft_tp1"]["logprobs"]) < 1e-5
 
 
 def test_the_peft_adapter_on_the_hf_base_gives_the_actors_logprobs(runs):

@@ -17,7 +17,7 @@ TINY = ["train.supervised_warmup_steps=0", "algo.dynamic_sampling=false", "train
 def test_resume_at_the_last_step_still_exports(tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_dapo.bridge.convert import megatron_to_hf
+    from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 
     args = ["train", "--recipe", "demo_cpu", *TINY, f"train.run_dir={tmp_path}", "train.name=r"]
     dapo(*args, "train.export_hf=false", timeout=120)

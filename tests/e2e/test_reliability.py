@@ -38,16 +38,32 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
     raise AssertionError(f"the run never logged step {step} (exit code {proc.poll()})")
 
 
-# LoRA: random adapters (they differ from the base from step 1) that train (overlong shaping varies the rewards)
+# LoRA: random adapters (they differ from the base from step 1) that train (overlong shaping varies the rewards), on a
+# base read from an HF checkpoint, so that checkpoints hold the adapters alone (model.lora.checkpoint = adapters)
 LORA = ["model.lora.rank=8", "model.lora.init=random", "train.lr=1e-2", "algo.overlong_penalty=true",
-        "algo.overlong_cache=10", "rollout.sampling.max_new_tokens=12"]  # fmt: skip
+        "algo.overlong_cache=10", "rollout.sampling.max_new_tokens=12", "model.tokenizer=char"]  # fmt: skip
 
 
-@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
-def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path, extra):
+def tiny_hf_base(directory: Path, seed: int) -> Path:
+    """A randomly initialized HF checkpoint of the demo's architecture (what a LoRA run adapts)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.models.hf_config import transformers_config
+
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(transformers_config(load_arch("tiny"))).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path, lora):
     """SIGUSR1 (what the sbatch scripts turn the time-limit signal into) mid-run: the trainer finishes the step, saves,
     exits 0; `--resume auto` continues; metrics.jsonl then holds each step once, equal to an uninterrupted run's
-    (with LoRA: the adapters and their optimizer states resume exactly)."""
+    (with LoRA: checkpoints hold the adapters and their optimizer states alone, and resume them exactly on the base;
+    a resume on another base is refused)."""
+    extra = [*LORA, f"model.hf_init={tiny_hf_base(tmp_path / 'base', 0)}"] if lora else []
     args = ["train", "--recipe", "demo_cpu", *BASE, "train.save_interval=0", "train.steps=8", "eval.interval=3",
             f"train.run_dir={tmp_path}", *extra]  # fmt: skip
     reference = dapo_started(tmp_path / "straight.log", *args, "train.name=straight")
@@ -65,6 +81,24 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path, extra):
     assert f"stopped after step {stopped_at} of 8 (SIGUSR1); saved {run}/checkpoints/step_{stopped_at:06d}" in out
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{stopped_at:06d}"]  # save_interval=0
     assert not (run / "hf").exists()  # the final export waits for the real end
+    if lora:
+        saved = run / "checkpoints" / f"step_{stopped_at:06d}"
+        meta = json.loads((saved / "dapo_meta.json").read_text())
+        assert meta["weights"] == "adapters" and meta["base"] == {"hf_init": str((tmp_path / "base").resolve())}, meta
+        assert meta["lora"] == {
+            "rank": 8,
+            "alpha": 32.0,
+            "dropout": 0.0,
+            "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        }
+        # the adapters and their Adam moments, no base weight (the 2 layers' adapters at rank 8: 39k parameters)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = list(FileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+        weights = [k for k in keys if any(part in k for part in ("embedding.", "decoder.", "output_layer."))]
+        assert weights and all(".lora_" in k for k in weights), [k for k in weights if ".lora_" not in k][:5]
+        base_bytes = (tmp_path / "base" / "model.safetensors").stat().st_size
+        assert sum(f.stat().st_size for f in saved.rglob("*.distcp")) < 0.4 * base_bytes
 
     resumed = dapo(*args, "train.name=stopped")  # --resume auto is the default
     dapo_finished(reference)
@@ -76,8 +110,14 @@ def test_sigusr1_saves_then_resume_equals_uninterrupted_run(tmp_path, extra):
     for r in rows:
         assert not same_history(straight[r["step"]], r), (r["step"], same_history(straight[r["step"]], r))
     assert any(k.startswith("eval/") for k in rows[5]) and (run / "hf" / "config.json").is_file()
-    if extra:
+    if lora:
         assert all(r["train/grad_norm"] > 0 for r in rows[1:])  # the adapters train: resuming them is tested
+        tiny_hf_base(tmp_path / "base", 1)  # another base where the run's was: its adapters do not fit it
+        refused = dapo(*args, "train.name=stopped", "train.steps=9", check=False)
+        assert refused.returncode != 0
+        assert "holds LoRA adapters trained on the base" in refused.stderr and "differs" in refused.stderr, (
+            refused.stderr[-2000:]
+        )
 
 
 def test_sigusr1_under_torchrun_saves_on_every_rank_and_resumes(tmp_path):

@@ -13,7 +13,8 @@ import torch
 from bridge_helpers import LLAMA_TINY, QWEN2_TINY, save_hf
 from safetensors.torch import load_file, save_file
 
-from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, parse_size, read_meta
+from megatron_dapo.bridge.convert import hf_to_megatron, parse_size, read_meta
+from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 from megatron_dapo.config.typed_yaml import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import torch
 from bridge_helpers import QWEN3_TINY, QWEN3_TINY_TIED, make_hf_model, save_hf
 from test_bridge_convert import tensors
 
-from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, read_meta
+from megatron_dapo.bridge.convert import hf_to_megatron, read_meta
+from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, compare_arch, load_arch

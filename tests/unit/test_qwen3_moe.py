@@ -14,7 +14,8 @@ import torch
 from bridge_helpers import make_hf_model, save_hf
 from test_bridge_convert import tensors
 
-from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf, read_meta
+from megatron_dapo.bridge.convert import hf_to_megatron, read_meta
+from megatron_dapo.bridge.convert_to_hf import megatron_to_hf
 from megatron_dapo.bridge.reshard import ep_rank_of_expert, gather_model, split_model
 from megatron_dapo.config.run_config import ModelConfig, ParallelConfig
 from megatron_dapo.config.typed_yaml import ConfigError
