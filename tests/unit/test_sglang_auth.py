@@ -123,3 +123,37 @@ def _alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+@pytest.mark.timeout(120)
+def test_server_dies_with_the_trainer_that_started_it(tmp_path):
+    """SIGKILL to the trainer that started the wrapper (in its own session, as ``SGLangServer`` does): the wrapper sees
+    its parent gone and stops the server; nothing is left running (a leaked CPU server holds GBs and both cores)."""
+    child = (
+        "import os, sys, time; from pathlib import Path\n"
+        "Path(sys.argv[1], 'pid').write_text(str(os.getpid())); Path(sys.argv[1], 'ready').touch()\n"
+        "time.sleep(600)\n"
+    )
+    trainer = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'megatron_dapo.engines.sglang.auth', sys.executable, '-c', "
+        f"{child!r}, {str(tmp_path)!r}], start_new_session=True, stdout=subprocess.DEVNULL)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", trainer], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    pid = int((tmp_path / "pid").read_text())
+    try:
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the server outlived the trainer that started it"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -24,6 +24,8 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 API_KEY_ENV = "DAPO_SGLANG_API_KEY"
@@ -114,11 +116,28 @@ def _die_with_parent() -> None:
         pass
 
 
+def _stop_with_parent(proc: subprocess.Popen, parent: int, grace_s: float = 10.0, every_s: float = 1.0) -> None:
+    """A thread: once the process that started this wrapper is gone (the trainer SIGKILLed or crashed: this wrapper
+    is then reparented), stop the server, SIGTERM then SIGKILL after ``grace_s``, so that no server outlives its
+    trainer. (Not PR_SET_PDEATHSIG on the wrapper: that fires when the *thread* that started it ends, and the trainer
+    restarts servers from worker threads.)"""
+    while proc.poll() is None:
+        if os.getppid() != parent:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            return
+        time.sleep(every_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print("usage: python -m megatron_dapo.engines.sglang.auth CMD [ARGS...] (with --config FILE)", file=sys.stderr)
         return 2
+    parent = os.getppid()
     redactor = Redactor(secrets_of(argv))
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     proc = subprocess.Popen(
@@ -136,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, forward)
+    threading.Thread(target=_stop_with_parent, args=(proc, parent), daemon=True).start()
     out = sys.stdout.buffer
     fd = proc.stdout.fileno()
     while True:
