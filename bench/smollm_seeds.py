@@ -4,6 +4,7 @@ time, samples/s, memory and the rollout/actor logprob gap.
 
     .venv/bin/python bench/smollm_seeds.py run [--seeds 1234 1235 1236] [--runs runs]      # ~22 min per seed, 2 cores
     .venv/bin/python bench/smollm_seeds.py report [--seeds ...] [--runs runs] [--out bench/results]
+    .venv/bin/python bench/smollm_seeds.py run --lora [--seeds 1234]     # the same with LoRA (LORA below): smollm-lora-*
 
 ``run`` times each seed's whole `make demo-smollm` (GGUF cache check, server start, warm start, evals, the recipe's
 steps, save) with GNU time and keeps its output as ``<runs>/smollm_s<seed>.time.log``; ``report`` reads those logs and each run's
@@ -31,8 +32,22 @@ TASK = "synthetic/word_math"
 ACC, FORMAT = f"eval/{TASK}/avg@1", f"eval/{TASK}/format@1"
 
 
+# LoRA on every linear layer: rank 16, alpha 32, at 10x full fine-tuning's learning rates (warm start and DAPO). The
+# server gets the merged weights: SGLang's only CPU LoRA backend (torch_native) decoded ~20 tokens/s at 64 requests
+# here, too slow for this run (docs/guides/lora.md)
+LORA = [
+    "model.lora.rank=16",
+    "model.lora.alpha=32",
+    "train.lr=3.0e-5",
+    "train.min_lr=3.0e-6",
+    "train.supervised_lr=1.0e-4",
+    "rollout.lora_sync=merged",
+]
+TAG = ""  # "_lora" with --lora
+
+
 def run_name(seed: int) -> str:
-    return f"smollm_s{seed}"
+    return f"smollm{TAG}_s{seed}"
 
 
 def time_log(runs: Path, seed: int) -> Path:
@@ -40,9 +55,11 @@ def time_log(runs: Path, seed: int) -> Path:
 
 
 def run_seeds(seeds: list[int], runs: Path) -> None:
+    runs.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         log = time_log(runs, seed)
         args = f"DEMO_ARGS=train.name={run_name(seed)} train.seed={seed} train.run_dir={runs}"
+        args += " " + " ".join(LORA) if TAG else ""
         print(f"seed {seed}: make demo-smollm (log: {log})", flush=True)
         with open(log, "w") as f:
             rc = subprocess.run(["/usr/bin/time", "-v", "make", "demo-smollm", args], cwd=REPO, stdout=f,
@@ -93,9 +110,10 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
     n = held_out.pop()
     verdict = "exceeds" if statistics.mean(gains) > spread and min(gains) > 0 else "does not exceed"
     lines = [
-        f"# SmolLM2-135M-Instruct under DAPO on CPU ({datetime.date.today()})", "",
+        f"# SmolLM2-135M-Instruct under DAPO on CPU{' with LoRA' if TAG else ''} ({datetime.date.today()})", "",
         f"`make demo-smollm` (recipe smollm2_math_cpu) per seed, on this machine's cores; {n} held-out word problems, "
-        "greedy, scored by the DAPO rule (the same problems for every seed).", "",
+        "greedy, scored by the DAPO rule (the same problems for every seed)."
+        + (f" LoRA: `{' '.join(LORA)}`." if TAG else ""), "",
         "| seed | base acc (format) | warm-start steps | DAPO starts at | every eval after it | final | gain | wall "
         "| RL s/step | samples/s | logp gap mean / max | peak RSS actor / server |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -116,8 +134,12 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
         f"{verdict} the spread. One held-out problem is {1 / n:.4f}; one greedy eval's sampling sd at this accuracy "
         f"is {(statistics.mean(finals) * (1 - statistics.mean(finals)) / n) ** 0.5:.3f}.",
     ]  # fmt: skip
+    if len(seeds) == 1:  # no spread between seeds: the eval's own sampling sd is the yardstick
+        lines[-1] = (f"DAPO's gain over the warm start: **{mean_gain:+.3f}** (one seed: no spread between seeds); final "
+                     f"accuracy {finals[0]:.3f}; one greedy eval's sampling sd at this accuracy is "
+                     f"{(finals[0] * (1 - finals[0]) / n) ** 0.5:.3f}.")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"smollm-{datetime.date.today()}"
+    stem = out_dir / f"smollm{TAG.replace('_', '-')}-{datetime.date.today()}"
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"seeds": per, "spread": spread, "mean_gain": mean_gain}, indent=1))
     plot(per, stem.with_suffix(".png"), n)
@@ -151,7 +173,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
     ap.add_argument("--runs", type=Path, default=REPO / "runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--lora", action="store_true", help="LoRA instead of full fine-tuning (LORA): runs smollm_lora_s*")
     args = ap.parse_args()
+    global TAG
+    TAG = "_lora" if args.lora else ""
     if args.command == "run":
         run_seeds(args.seeds, args.runs)
     report(args.seeds, args.runs, args.out)

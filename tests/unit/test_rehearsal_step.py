@@ -37,6 +37,14 @@ def small():
     return _rehearse()
 
 
+def _remodelled_dense(monkeypatch, steps):
+    """The dense rehearsal again with the steps it measured (only the memory model's side changes)."""
+    from megatron_dapo.planning import rank_step
+
+    monkeypatch.setattr(rank_step, "run_steps", lambda *a, **k: steps)
+    return _rehearse()
+
+
 def _term(cls, phase: str, name: str):
     row = next(ph for ph in cls.phases if ph.phase == phase)
     return next(t for t in row.terms if t.name == name)
@@ -73,19 +81,19 @@ def test_every_trainer_term_is_the_measured_one_within_the_margin(small):
             assert t.margin == STEP_MARGIN and t.why.startswith("measured") and not t.disagrees(), (cls.label, t)
 
 
-def test_planted_activation_under_count_is_caught(monkeypatch):
+def test_planted_activation_under_count_is_caught(monkeypatch, small):
     """The model's activations halved: the measured update disagrees, naming the phase and the term."""
     real = planner.activation_bytes_per_token
     monkeypatch.setattr(planner, "activation_bytes_per_token", lambda *a, **k: real(*a, **k) / 2)
-    r = _rehearse()
+    r = _remodelled_dense(monkeypatch, small.steps)
     assert any("train phase, trainer activations + logits: measured" in f for f in r.failures), r.failures
 
 
-def test_planted_logits_under_count_is_caught(monkeypatch):
+def test_planted_logits_under_count_is_caught(monkeypatch, small):
     """The head's logits left out of the model: stage 1's update and logprob pass disagree with the measured ones."""
     monkeypatch.setattr(planner, "logits_bytes", lambda *a, **k: 0.0)
     monkeypatch.setattr(planner, "forward_pass_bytes", lambda one, *a, **k: one)
-    r = _rehearse()
+    r = _remodelled_dense(monkeypatch, small.steps)
     stage1 = [f for f in r.failures if f.startswith("PP stage 1")]
     assert any("trainer activations + logits" in f for f in stage1), r.failures
     assert any("old_logprobs phase, logprob pass" in f for f in stage1), r.failures

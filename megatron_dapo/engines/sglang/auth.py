@@ -123,6 +123,8 @@ def _stop_with_parent(proc: subprocess.Popen, parent: int, grace_s: float = 10.0
     restarts servers from worker threads.)"""
     while proc.poll() is None:
         if os.getppid() != parent:
+            print(f"sglang_auth: the process that started this server (pid {parent}) is gone: stopping the server",
+                  file=sys.stderr, flush=True)  # fmt: skip
             proc.terminate()
             try:
                 proc.wait(grace_s)
