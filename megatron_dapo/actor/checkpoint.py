@@ -104,6 +104,15 @@ def base_source(cfg) -> dict | None:
     return {"hf_init": str(Path(m.hf_init).resolve())} if m.hf_init else None
 
 
+def base_location(base: dict, path) -> Path:
+    """The file or folder ``base`` (``{"hf_init": dir}`` / ``{"load": checkpoint}``) names, which must exist."""
+    where = Path(next(iter(base.values())))
+    if not where.exists():
+        raise ConfigError(f"{path} holds LoRA adapters alone; its base {where} does not exist (a run names where the "
+                          "base is now by model.hf_init / model.load)")  # fmt: skip
+    return where
+
+
 def base_fingerprint(actor) -> list[float]:
     """The frozen base's weights as [sum, sum of squares] in float64 over the whole model: each element counted once,
     on the rank that holds its main replica (what ``dist_checkpointing`` saves), so the same at any TP/PP up to
@@ -152,7 +161,7 @@ def _has_optimizer_state(actor) -> bool:
     return any(len(o.optimizer.state) for o in opts)
 
 
-def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
+def _estimated_bytes(actor, has_optimizer: bool, directory: Path, adapters_only: bool) -> int:
     """What the checkpoint will take on disk: the size of the newest one in ``directory``, or, for the first, this
     model's tensors (+ Adam's two fp32 moments, + an fp32 master copy of 16-bit weights) over one data-parallel
     replica. Every rank takes part in the sum; rank 0's answer is the one used."""
@@ -161,7 +170,7 @@ def _estimated_bytes(actor, has_optimizer: bool, directory: Path) -> int:
     def per_param(p) -> int:
         return p.element_size() + ((8 + (4 if p.element_size() < 4 else 0)) if has_optimizer else 0)
 
-    saved = [p for _, p in actor.named_parameters() if p.requires_grad or base_source(actor.cfg) is None]
+    saved = [p for _, p in actor.named_parameters() if p.requires_grad or not adapters_only]
     local = sum(p.numel() * per_param(p) for p in saved)
     local = local if parallel_state.get_data_parallel_rank() == 0 else 0
     total = torch.tensor([local], dtype=torch.float64, device=actor.device)
@@ -196,7 +205,8 @@ def save(actor, path, extra: dict) -> None:
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
     has_optimizer = _has_optimizer_state(actor)
-    need = _estimated_bytes(actor, has_optimizer, path.parent)
+    base = base_source(actor.cfg)  # not None: the adapters alone
+    need = _estimated_bytes(actor, has_optimizer, path.parent, base is not None)
     problem = None
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +219,6 @@ def save(actor, path, extra: dict) -> None:
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
-    base = base_source(actor.cfg)
     fingerprint = base_fingerprint(actor) if base else None
     model_sd = _model_sharded_state_dict(actor)
     if base:  # the frozen base is in its own file: the adapters (and their optimizer state) alone

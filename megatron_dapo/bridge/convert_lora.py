@@ -21,22 +21,14 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_dapo.bridge.peft import peft_config, peft_name, peft_parts
+from megatron_dapo.actor.lora import TARGETS
+from megatron_dapo.bridge.peft import adapted_params, peft_config, peft_name, peft_parts
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.models.mapping import Param, checkpoint_axes
 from megatron_dapo.models.registry import table_for
 
 Entry = tuple[str, tuple, tuple, torch.dtype]  # checkpoint key, leading (index, count) axes, stored shape, dtype
-
-
-def adapted_params(arch: ArchConfig, targets) -> list[Param]:
-    """The weights LoRA adapts: the ``targets`` layers' weights, experts excluded (``actor/lora.apply_lora``)."""
-    return [
-        p
-        for p in table_for(arch).params(arch)
-        if p.megatron.endswith(".weight") and p.megatron.rsplit(".", 2)[-2] in targets and ".experts." not in p.megatron
-    ]  # fmt: skip
 
 
 def _adapter_key(p: Param, which: str) -> tuple[str, tuple]:
@@ -83,11 +75,6 @@ def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], params:
     return out
 
 
-def lora_settings(lora: dict) -> SimpleNamespace:
-    return SimpleNamespace(rank=lora["rank"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
-                           targets=lora["targets"])  # fmt: skip
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # PEFT → Megatron
 
@@ -95,7 +82,7 @@ def lora_settings(lora: dict) -> SimpleNamespace:
 def _targets_of(arch: ArchConfig, modules: list[str], where: Path) -> list[str]:
     """PEFT's ``target_modules`` (HF module names) as our targets; a fused layer needs all of its HF modules."""
     by_target: dict[str, set[str]] = {}
-    for p in adapted_params(arch, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
+    for p in adapted_params(arch, TARGETS):
         mods = {hf.removesuffix(".weight").rsplit(".", 1)[-1] for hf in p.hf}
         by_target.setdefault(p.megatron.rsplit(".", 2)[-2], set()).update(mods)
     wanted, targets = set(modules), []
@@ -207,4 +194,7 @@ def peft_to_megatron(hf_dir, adapter_dir, out_dir, dtype: str | None = None, ove
 
 
 def peft_folder_config(arch: ArchConfig, lora: dict, base: str | None) -> dict:
-    return peft_config(arch, lora_settings(lora), base)
+    """``peft_config`` for a checkpoint's ``lora`` settings (``dapo_meta.json``)."""
+    settings = SimpleNamespace(rank=lora["rank"], alpha=lora["alpha"], dropout=lora.get("dropout", 0.0),
+                               targets=lora["targets"])  # fmt: skip
+    return peft_config(arch, settings, base)

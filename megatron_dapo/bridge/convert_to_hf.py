@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.actor.checkpoint import META_FILE
+from megatron_dapo.actor.checkpoint import META_FILE, base_location
 from megatron_dapo.bridge.convert import (
     DTYPE_NAMES,
     DTYPES,
@@ -123,9 +123,7 @@ def megatron_to_hf(
     lora = meta.get("lora")
     base_ckpt, base_hf = ckpt_dir, None
     if meta.get("weights") == "adapters":  # the frozen base is elsewhere: where the checkpoint says
-        where = Path(next(iter(meta["base"].values())))
-        if not where.exists():
-            raise ConfigError(f"{ckpt_dir} holds LoRA adapters alone; its base {where} does not exist")
+        where = base_location(meta["base"], ckpt_dir)
         base_ckpt, base_hf = (where, None) if "load" in meta["base"] else (None, where)
     max_bytes = parse_size(max_shard_size)
     check_output_dir(out, overwrite)

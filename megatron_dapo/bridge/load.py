@@ -75,10 +75,7 @@ def load_checkpoint(actor, path, load_optimizer: bool = True, base: dict | None 
     adapters_only = meta.get("weights") == "adapters"
     if adapters_only:
         source = base or meta["base"]
-        where = next(iter(source.values()))
-        if not Path(where).exists():
-            raise ConfigError(f"{path} holds LoRA adapters alone; its base {where} does not exist (model.hf_init / "
-                              "model.load: where the base is now)")  # fmt: skip
+        ckpt.base_location(source, path)
         actor._base_fingerprint = None  # a new base: fingerprinted once loaded
         load_base(actor, source)
     return ckpt.load(actor, path, load_optimizer=load_optimizer, base_loaded=adapters_only)

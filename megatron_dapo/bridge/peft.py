@@ -7,6 +7,7 @@ import torch
 
 from megatron_dapo.bridge.export import export_order, local_parameters
 from megatron_dapo.bridge.reshard import gather_tp
+from megatron_dapo.models.registry import table_for
 
 
 def peft_name(hf_weight: str, which: str) -> str:
@@ -54,18 +55,20 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def adapted_params(arch, targets) -> list:
+    """The weights LoRA adapts: the ``targets`` layers' weights (a bias is no module), experts excluded
+    (``actor/lora.apply_lora``)."""
+    return [
+        p
+        for p in table_for(arch).params(arch)
+        if p.megatron.endswith(".weight") and p.megatron.rsplit(".", 2)[-2] in targets and ".experts." not in p.megatron
+    ]  # fmt: skip
+
+
 def peft_config(arch, lora, base_model: str | None = None) -> dict:
     """PEFT's ``adapter_config.json`` for these adapters (``LoraConfig`` fields)."""
-    modules = sorted(
-        {
-            hf.removesuffix(".weight").rsplit(".", 1)[-1]
-            for p in export_order(arch)
-            for hf in p.hf
-            if p.megatron.endswith(".weight")
-            and p.megatron.rsplit(".", 2)[-2] in lora.targets
-            and ".experts." not in p.megatron
-        }
-    )  # fmt: skip - weights only: a layer's bias is no module
+    modules = sorted({hf.removesuffix(".weight").rsplit(".", 1)[-1] for p in adapted_params(arch, lora.targets)
+                      for hf in p.hf})  # fmt: skip
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

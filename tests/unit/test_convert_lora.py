@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.bridge.convert_lora import _targets_of, adapted_params, megatron_adapters, merged, peft_tensors
+from megatron_dapo.bridge.convert_lora import _targets_of, megatron_adapters, merged, peft_tensors
+from megatron_dapo.bridge.peft import adapted_params
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import load_arch
 

@@ -105,6 +105,11 @@ def test_server_dies_with_its_wrapper(tmp_path):
     )
     proc = _wrapped(tmp_path, child)
     pid = int((tmp_path / "pid").read_text())
+    _kill_and_expect_gone(proc, pid, "the server outlived its wrapper")
+
+
+def _kill_and_expect_gone(proc: subprocess.Popen, pid: int, why: str) -> None:
+    """SIGKILL ``proc``; the server ``pid`` must be gone within 30 s (SIGKILLed here either way, so none leaks)."""
     try:
         assert _alive(pid)
         proc.kill()
@@ -112,7 +117,7 @@ def test_server_dies_with_its_wrapper(tmp_path):
         deadline = time.monotonic() + 30
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pid), "the server outlived its wrapper"
+        assert not _alive(pid), why
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -146,14 +151,4 @@ def test_server_dies_with_the_trainer_that_started_it(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
     pid = int((tmp_path / "pid").read_text())
-    try:
-        assert _alive(pid)
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "the server outlived the trainer that started it"
-    finally:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    _kill_and_expect_gone(proc, pid, "the server outlived the trainer that started it")
