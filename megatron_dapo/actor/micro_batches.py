@@ -8,6 +8,7 @@ import torch
 from megatron_dapo.actor.provider import DTYPES
 from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.models.arch import ArchConfig
 from megatron_dapo.types import Sequence
 
@@ -33,7 +34,7 @@ def micro_batch_budget(cfg: DapoConfig, arch: ArchConfig, layout: str, dp: int) 
 
         available = 0.85 * psutil.virtual_memory().available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         where = "of the available RAM for this rank"
-    in_process_engine = cfg.rollout.engine == "hf" and not torch.cuda.is_available()
+    in_process_engine = not engine_spec(cfg.rollout.engine).servers and not torch.cuda.is_available()
     kw = dict(
         dtype_bytes=DTYPES[cfg.model.dtype].itemsize,
         tp=p.tp,

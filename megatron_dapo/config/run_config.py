@@ -131,7 +131,9 @@ class RolloutConfig:
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
     hf_max_batch: int = 64  # HF engine (CPU): sequences per generate call, whole groups; also the abort granularity
-    dtype: Literal["fp32", "bf16", "fp16"] | None = None  # the rollout engine's weights; None = model.dtype
+    # the rollout engine's weights; None = model.dtype; auto = bf16 on GPUs and on CPUs with bf16 matmul units
+    # (AVX512-BF16 / AMX), else fp32 (engines/sglang/server.server_dtype)
+    dtype: Literal["fp32", "bf16", "fp16", "auto"] | None = None
     # SGLang
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
     sglang_tp: int = 1
@@ -410,9 +412,3 @@ def config_to_dict(cfg: Any) -> dict:
 
 def save_config(cfg: DapoConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def lora_adapter_sync(cfg: DapoConfig) -> bool:
-    """The rollout engine applies the LoRA adapters itself (``rollout.lora_sync``): only the adapters are synced."""
-    r = cfg.rollout
-    return cfg.model.lora.rank > 0 and r.engine == "sglang" and r.lora_sync in ("auto", "adapter")

@@ -1,5 +1,6 @@
-"""The rollout engines, by ``rollout.engine``: what each needs to start and how it is made. Adding an engine is one
-subpackage in ``engines/`` (a ``RolloutEngine``, see ``base.py``) and one entry here (docs/extending.md)."""
+"""The rollout engines, by ``rollout.engine``: what the loop, launch and planning ask of an engine. Adding an engine is
+one subpackage in ``engines/`` (a ``RolloutEngine``, see ``base.py``) and one entry here (docs/extending.md); no module
+outside ``engines/`` compares ``rollout.engine`` to a name (tests/unit/test_engine_registry.py)."""
 
 from __future__ import annotations
 
@@ -13,27 +14,97 @@ from megatron_dapo.config.typed_yaml import ConfigError
 if TYPE_CHECKING:
     from megatron_dapo.engines.base import RolloutEngine
     from megatron_dapo.models.arch import ArchConfig
+    from megatron_dapo.sync.weight_sync import WeightSync
     from megatron_dapo.types import TokenizerInfo
 
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """One engine's answers. Callables are ``"package.module:callable"`` strings, imported when first called (so that
+    asking a spec never imports an engine's package)."""
+
     name: str
-    # "package.module:callable" (dotted attributes allowed): (cfg, arch, tokenizer_info, run_dir, model_path) -> engine
+    # (cfg, arch, tokenizer_info, run_dir, model_path) -> engine
     factory: str
     starts_from_hf_dir: bool  # its servers load an HF checkpoint directory (the actor's weights are written first)
     weight_syncs: tuple[str, ...]  # the rollout.weight_sync transports it takes
+    # server processes of their own (placed by dapo launch, started from this environment, asleep while the trainer
+    # runs when colocated); False: the engine runs inside the trainer's process
+    servers: bool = False
+    package: str | None = None  # the Python package its servers import (rollout.fallback_hf, preflight)
+    gpu_modules: tuple[tuple[str, str], ...] = ()  # (module, what) its GPU servers import: preflight checks them
+    same_node_syncs: tuple[str, ...] = ()  # transports whose handles open on the sender's node only (per-node sync)
+    tp_key: str = ""  # the config key of an engine's tensor-parallel size (its GPUs), for messages
+    sync_factory: str | None = None  # (cfg, engine, kind) -> WeightSync for the transports other than copy
+    adapter_sync_factory: str | None = None  # (cfg, engine) -> LoRA adapter-only sync; None: merged weights only
+    attach_factory: str | None = None  # (cfg, url) -> an engine attached to one running server, to sync it
+    concurrency: str | None = None  # (cfg) -> requests in flight per server
+    tp_of: str | None = None  # (cfg) -> GPUs per engine
+    device_of: str | None = None  # (cfg) -> "cuda" | "cpu"
+    # dapo launch: (cfg, python, port, colocated, host, args_file, base_gpu_id, nccl_port) -> a server's command line
+    launch_command_factory: str | None = None
+    launch_env_factory: str | None = None  # (cfg, colocated) -> the environment of a server task
 
     def make(self, cfg: Any, arch: ArchConfig, info: TokenizerInfo, run_dir: Path, model_path) -> RolloutEngine:
-        return load_callable(self.factory, f"rollout.engine {self.name!r} factory")(
-            cfg, arch, info, run_dir, model_path
-        )
+        return self._call("factory", cfg, arch, info, run_dir, model_path)
+
+    def _call(self, field: str, *args):
+        target = getattr(self, field)
+        if target is None:
+            raise ConfigError(f"rollout.engine = {self.name!r} has no {field}")
+        return load_callable(target, f"rollout.engine {self.name!r} {field}")(*args)
+
+    def tp(self, cfg: Any) -> int:
+        """GPUs (or CPU ranks) one engine spans; 1 for an in-process engine."""
+        return int(self._call("tp_of", cfg)) if self.tp_of else 1
+
+    def device(self, cfg: Any) -> str:
+        return self._call("device_of", cfg) if self.device_of else ("cuda" if self.servers else "cpu")
+
+    def on_gpus(self, cfg: Any) -> bool:
+        """Its servers take GPUs of the job's nodes (placement, memory model, CUDA preflight)."""
+        return self.servers and self.device(cfg) == "cuda"
+
+    def weight_sync(self, cfg: Any, engine: Any, kind: str) -> WeightSync:
+        return self._call("sync_factory", cfg, engine, kind)
+
+    def adapter_sync(self, cfg: Any, engine: Any) -> WeightSync:
+        return self._call("adapter_sync_factory", cfg, engine)
+
+    def attach(self, cfg: Any, url: str) -> RolloutEngine:
+        return self._call("attach_factory", cfg, url)
+
+    def launch_command(self, cfg: Any, *args) -> list[str]:
+        return self._call("launch_command_factory", cfg, *args)
+
+    def launch_env(self, cfg: Any, colocated: bool) -> dict[str, str]:
+        return self._call("launch_env_factory", cfg, colocated)
+
+    def per_server_concurrency(self, cfg: Any) -> int:
+        return int(self._call("concurrency", cfg)) if self.concurrency else 0
 
 
+_SG = "megatron_dapo.engines.sglang"
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("hf", "megatron_dapo.engines.hf:engine_from_config", False, ("copy",)),
     "sglang": EngineSpec(
-        "sglang", "megatron_dapo.engines.sglang.client:engine_from_config", True, ("tensor", "distributed", "disk")
+        "sglang",
+        f"{_SG}.client:engine_from_config",
+        True,
+        ("tensor", "distributed", "disk"),
+        servers=True,
+        package="sglang",
+        gpu_modules=(("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")),
+        same_node_syncs=("tensor",),
+        tp_key="rollout.sglang_tp",
+        sync_factory=f"{_SG}.sync:sync_from_config",
+        adapter_sync_factory=f"{_SG}.adapter_sync:adapter_sync_from_config",
+        attach_factory=f"{_SG}.client:attach_from_config",
+        concurrency=f"{_SG}.capacity:per_server_concurrency",
+        tp_of=f"{_SG}.server:tp_from_config",
+        device_of=f"{_SG}.server:device_from_config",
+        launch_command_factory=f"{_SG}.launch:launch_command",
+        launch_env_factory=f"{_SG}.launch:launch_env",
     ),
 }
 
@@ -42,3 +113,11 @@ def engine_spec(name: str) -> EngineSpec:
     if name not in ENGINES:
         raise ConfigError(f"rollout.engine = {name!r}: unknown; known: {', '.join(ENGINES)}")
     return ENGINES[name]
+
+
+def lora_adapter_sync(cfg: Any) -> bool:
+    """The rollout engine applies the LoRA adapters itself (``rollout.lora_sync``): only the adapters are synced. An
+    engine without an adapter sync takes the merged weights."""
+    r = cfg.rollout
+    has = engine_spec(r.engine).adapter_sync_factory is not None
+    return cfg.model.lora.rank > 0 and has and r.lora_sync in ("auto", "adapter")

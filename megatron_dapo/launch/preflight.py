@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import ENGINES, engine_spec
 from megatron_dapo.versions import MCORE_RANGE, in_range
 
 FIX_ENV = (
@@ -43,7 +44,9 @@ class Needs:
     gpus_per_node: int = 0  # CUDA devices this node must show (0: not checked)
     gpus_why: str = ""
     te: list[str] = field(default_factory=list)  # why the model spec needs Transformer Engine (checked on GPU)
-    sglang: bool = False  # SGLang on CUDA runs from (or is imported by) this environment: sglang + sgl_kernel
+    # (module, what): the rollout engine's GPU packages, which its servers (or the trainer's transport) import here
+    engine_modules: tuple[tuple[str, str], ...] = ()
+    engine: str = ""  # rollout.engine, for the messages
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ def needs_for(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = Tr
     SGLang servers run from this environment (else only the trainer imports SGLang's serializer)."""
     r, m, p = cfg.rollout, cfg.model, cfg.parallel
     cuda = []
-    if r.engine == "sglang" and r.sglang_device == "cuda":
-        cuda.append("rollout.engine = 'sglang' on rollout.sglang_device = 'cuda'")
+    spec = engine_spec(r.engine)
+    if spec.on_gpus(cfg):
+        cuda.append(f"rollout.engine = {r.engine!r} on CUDA")
     if m.fp8:
         cuda.append(f"model.fp8 = {m.fp8!r}")
     if m.transformer_impl == "transformer_engine":
@@ -73,9 +77,12 @@ def needs_for(cfg: DapoConfig, gpus_per_node: int = 0, starts_servers: bool = Tr
         te.append(f"parallel.cp = {p.cp} (TE's context-parallel attention)")
     if p.sequence_parallel:
         te.append("parallel.sequence_parallel = true")
-    # the trainer imports SGLang's serializer (tensor) or its process group (distributed); servers all of it
-    sglang = r.engine == "sglang" and r.sglang_device == "cuda" and (starts_servers or r.weight_sync != "disk")
-    return Needs(cuda=cuda, gpus_per_node=gpus_per_node, gpus_why=gpus_why, te=te, sglang=sglang)
+    # the trainer imports the engine's serializer (tensor) or its process group (distributed); servers all of it
+    imports = spec.on_gpus(cfg) and (starts_servers or r.weight_sync != "disk")
+    modules = spec.gpu_modules if imports else ()
+    return Needs(
+        cuda=cuda, gpus_per_node=gpus_per_node, gpus_why=gpus_why, te=te, engine_modules=modules, engine=r.engine
+    )
 
 
 def check(needs: Needs, facts: Facts) -> list[str]:
@@ -105,10 +112,10 @@ def check(needs: Needs, facts: Facts) -> list[str]:
             f"{'; '.join(needs.te)} needs it: install transformer-engine[pytorch] (requirements/gpu.txt; the "
             "image of docker/Dockerfile has it), or turn those settings off"
         )
-    for module, what in (("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")):
-        if needs.sglang and facts.imports.get(module):
+    for module, what in needs.engine_modules:
+        if facts.imports.get(module):
             out.append(
-                f"{what} not importable ({facts.imports[module]}), but rollout.engine = 'sglang' runs on CUDA: "
+                f"{what} not importable ({facts.imports[module]}), but rollout.engine = {needs.engine!r} runs on CUDA: "
                 f"install the pins of requirements/gpu.txt, or {FIX_ENV}"
             )
     return out
@@ -137,8 +144,8 @@ def probe(needs: Needs | None = None) -> Facts:
     modules = []
     if needs is None or (gpu and needs.te):
         modules.append("transformer_engine.pytorch")
-    if needs is None or needs.sglang:
-        modules += ["sglang", "sgl_kernel"]
+    every = [m for spec in ENGINES.values() for m in spec.gpu_modules]
+    modules += [module for module, _ in (every if needs is None else needs.engine_modules)]
     return Facts(torch.__version__, torch.version.cuda, devices, mcore, {m: _try_import(m) for m in modules})
 
 
@@ -170,14 +177,14 @@ def preflight(
     python: str | list[str] | None = None,
     where: str = "dapo train",
     gpus_why: str = "",
-    sglang: bool = True,
+    engine_imports: bool = True,
     python_name: str = "",
 ) -> None:
-    """Probe and check (SGLang's imports unless ``sglang`` is false); raise ``PreflightError`` with every failed
+    """Probe and check (the engine's imports unless ``engine_imports`` is false); raise ``PreflightError`` with every failed
     check, one per line. ``python``: another interpreter, or a command line ending in one (``probe_python``)."""
     needs = needs_for(cfg, gpus_per_node, starts_servers, gpus_why)
-    if not sglang:
-        needs = dataclasses.replace(needs, sglang=False)
+    if not engine_imports:
+        needs = dataclasses.replace(needs, engine_modules=())
     problems = check(needs, probe_python(python, needs, python_name) if python else probe(needs))
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
@@ -190,11 +197,12 @@ def train_preflight(cfg: DapoConfig, env: dict | None = None) -> None:
     env = os.environ if env is None else env
     r = cfg.rollout
     local = int(env.get("LOCAL_WORLD_SIZE") or 1)
-    starts = r.engine == "sglang" and not r.server_urls
-    gpus = max(local, r.sglang_tp if starts and r.colocate else 0)
-    why = f"{local} trainer ranks on this node" + (f", rollout.sglang_tp = {r.sglang_tp}" if gpus > local else "")
-    # sglang + sgl_kernel: imported once per node (the node's ranks share the environment)
-    preflight(cfg, gpus, starts, gpus_why=why, sglang=env.get("LOCAL_RANK", "0") == "0")
+    spec = engine_spec(r.engine)
+    starts = spec.servers and not r.server_urls
+    gpus = max(local, spec.tp(cfg) if starts and r.colocate else 0)
+    why = f"{local} trainer ranks on this node" + (f", {spec.tp_key} = {spec.tp(cfg)}" if gpus > local else "")
+    # the engine's packages: imported once per node (the node's ranks share the environment)
+    preflight(cfg, gpus, starts, gpus_why=why, engine_imports=env.get("LOCAL_RANK", "0") == "0")
     if env.get("RANK", "0") == "0" and not env.get("DAPO_LOCAL_SERVER_URL"):
         from megatron_dapo.loop.rollout import check_tensor_sync_reach
 
@@ -233,4 +241,7 @@ def in_image_node(cmd: list[str]) -> str:
 
 
 if __name__ == "__main__":  # [NEEDS as JSON]: what to probe (default: everything)
-    print(json.dumps(asdict(probe(Needs(**json.loads(sys.argv[1])) if len(sys.argv) > 1 else None))))
+    given = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
+    if given is not None:
+        given["engine_modules"] = tuple(tuple(m) for m in given.get("engine_modules", ()))  # JSON lists back
+    print(json.dumps(asdict(probe(Needs(**given) if given is not None else None))))

@@ -31,9 +31,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config.run_config import DapoConfig, load_config
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.config.validate import check_world_divides
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.launch.health import health_timeout_s
 from megatron_dapo.launch.layout import (
     check_fits,
@@ -58,9 +59,6 @@ from megatron_dapo.launch.supervise import Supervisor, http_ok  # noqa: F401  (t
 from megatron_dapo.models.arch import check_divisible, load_arch
 from megatron_dapo.ports import JobPorts, find_collisions
 from megatron_dapo.runs import EXIT_RESUMABLE, STOP_FILE_ENV
-
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The plan
@@ -185,41 +183,6 @@ def _fill(template: str, **values: object) -> list[str]:
     return [tok.format(**values) for tok in shlex.split(template)]
 
 
-def sglang_server_env(cfg: DapoConfig, colocated: bool) -> dict[str, str]:
-    """The environment of every server task (``srun --export``): ``sglang_server.server_env`` (colocated: with the
-    memory saver's variables, as for ``--enable-memory-saver``) and ``rollout.sglang_env``."""
-    from megatron_dapo.engines.sglang.server import server_env, server_pythonpath
-
-    env = server_env(cfg.rollout.sglang_device, memory_saver=colocated)
-    if cfg.rollout.sglang_pythonpath:
-        env["PYTHONPATH"] = server_pythonpath(cfg.rollout.sglang_pythonpath)
-    return env | dict(kv.split("=", 1) for kv in cfg.rollout.sglang_env)
-
-
-def sglang_server_command(
-    cfg: DapoConfig, python: str, port: int, colocated: bool, host: str, args_file: str, base_gpu_id: int = 0
-) -> list[str]:
-    """One engine's ``python -m sglang.launch_server ...`` (its environment: ``sglang_server_env``) behind the wrapper
-    that redacts the API key from its output, listening on ``host``, the key in ``args_file`` (``--config``).
-
-    No ``--dp-size``: SGLang's weight-update endpoints assert dp_size == 1, so a data-parallel server could never be
-    synced; the server uses ``rollout.sglang_tp`` GPUs of its node from ``--base-gpu-id`` on (it sees all of them, as
-    in slime and NeMo-RL): one server per rollout-TP group (launch/placement.py)."""
-    from megatron_dapo.engines.sglang.server import PLATFORMS, server_args
-
-    r = cfg.rollout
-    if not cfg.model.hf_init:
-        raise ConfigError("model.hf_init = None: SGLang servers (rollout.engine = 'sglang') need an HF checkpoint dir")
-    cmd = [python, "-m", "megatron_dapo.engines.sglang.auth", python, "-m", "sglang.launch_server"]
-    cmd += ["--model-path", cfg.model.hf_init, "--host", host, "--config", args_file]
-    cmd += ["--port", str(port), "--tp-size", str(r.sglang_tp), "--base-gpu-id", str(base_gpu_id)]
-    cmd += ["--mem-fraction-static", str(r.mem_fraction)]
-    cmd += ["--dtype", _DTYPES[r.dtype or cfg.model.dtype], *PLATFORMS[r.sglang_device].server_args, *server_args(cfg)]
-    if colocated and r.sglang_device == "cuda":  # torch_memory_saver: CUDA only (a CPU server frees nothing)
-        cmd += ["--enable-memory-saver", *PLATFORMS["cuda"].memory_saver_args]
-    return cmd
-
-
 def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = False) -> LaunchPlan:
     """Turn the recipe + the allocation (SLURM_* in ``env``) or ``opts.nodes`` into a plan; raise ConfigError."""
     env = dict(os.environ if env is None else env)
@@ -245,7 +208,9 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
         if opts.nodes > len(nodes):
             raise LaunchError(f"--nodes {opts.nodes}: the allocation has only {len(nodes)} nodes ({', '.join(nodes)})")
         nodes = nodes[: opts.nodes]
-    gpu = r.engine == "sglang"
+    spec = engine_spec(r.engine)
+    gpu = spec.servers  # its servers are job steps on the nodes' GPUs (on a CPU cluster: as many ranks)
+    rollout_tp = spec.tp(cfg) if gpu else 1
     gpus = (
         (opts.gpus_per_node or _int_env(env, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE") or c.gpus_per_node)
         if gpu
@@ -276,8 +241,8 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
     mp = p.tp * p.pp * p.cp
     check_world_divides(p, world, f"trainer ranks ({len(train_nodes)} nodes x {tasks} ranks)")
     check_divisible(load_arch(cfg.model.arch), p.tp, p.pp, prefix="parallel.")  # before servers spend minutes loading
-    if gpu and gpus % r.sglang_tp:
-        raise ConfigError(f"rollout.sglang_tp = {r.sglang_tp} must divide the {gpus} GPUs per node")
+    if gpu and gpus % rollout_tp:
+        raise ConfigError(f"{spec.tp_key} = {rollout_tp} must divide the {gpus} GPUs per node")
     pl, layout = None, None
     if gpu:
         try:
@@ -287,14 +252,14 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                 p.tp,
                 p.pp,
                 p.cp,
-                r.sglang_tp,
+                rollout_tp,
                 placement == "colocated",
                 len(rollout_nodes) if placement == "disaggregated" else 0,
                 0 if tasks == gpus else tasks,
             )
         except PlacementError as e:
             raise ConfigError(str(e)) from e
-        if r.sglang_device == "cuda":  # the memory model is a GPU's; refuse before any step starts
+        if spec.on_gpus(cfg):  # the memory model is a GPU's; refuse before any step starts
             layout = layout_memory(cfg, len(nodes), gpus)
             check_fits(layout, cfg)
 
@@ -342,13 +307,12 @@ def build_plan(opts: LaunchOptions, env: dict | None = None, dry_run: bool = Fal
                 args_file=args_file,
             )
         else:
-            command = sglang_server_command(
-                cfg, py, port, placement == "colocated", addr[node], args_file, e.base_gpu_id
+            command = spec.launch_command(
+                cfg, py, port, placement == "colocated", addr[node], args_file, e.base_gpu_id, sp.nccl
             )
-            command += ["--nccl-port", str(sp.nccl)]  # SGLang's default: a random port above the HTTP port
         tag = node if pl.engines_per_node == 1 else f"{node}-g{e.base_gpu_id}"
         name, log = f"dapo-server-{tag}", f"{log_dir}/server-{tag}.log"
-        task_env = sglang_server_env(cfg, placement == "colocated")
+        task_env = spec.launch_env(cfg, placement == "colocated")
         export = ",".join(["--export=ALL", *(f"{k}={v}" for k, v in task_env.items())])
         engine = {
             "index": e.index,

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.loop.control import control_barrier, is_driver
 
 AFTER_SYNC = ["kv_cache", "cuda_graph"]  # resumed after the weight sync (SGLangEngine.generate_stream resumes them)
@@ -127,7 +128,7 @@ class MemoryPhases:
 
 
 def make_phases(cfg: Any, engine: Any, actor: Any) -> NoPhases | MemoryPhases:
-    """MemoryPhases when SGLang servers share the trainer's GPUs (``rollout.colocate``), else NoPhases."""
-    if cfg.rollout.engine == "sglang" and cfg.rollout.colocate:
+    """MemoryPhases when the engine's servers share the trainer's GPUs (``rollout.colocate``), else NoPhases."""
+    if engine_spec(cfg.rollout.engine).servers and cfg.rollout.colocate:
         return MemoryPhases(engine, actor)
     return NoPhases()

@@ -14,13 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_dapo.config.run_config import DapoConfig, lora_adapter_sync
+from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.config.typed_yaml import ConfigError
-from megatron_dapo.engines.registry import engine_spec
-from megatron_dapo.engines.sglang import sync as sglang_sync
+from megatron_dapo.engines.registry import engine_spec, lora_adapter_sync
 from megatron_dapo.loop.control import broadcast, control_group, is_driver, on_driver, set_control_timeout  # noqa: F401
-from megatron_dapo.models.arch import load_arch
-from megatron_dapo.ports import JobPorts
 from megatron_dapo.sync.weight_sync import CopySync, WeightSync
 from megatron_dapo.types import TokenizerInfo
 
@@ -43,7 +40,9 @@ class RolloutDriver:
         if self.spec.starts_from_hf_dir and not model_path and not cfg.rollout.server_urls:
             from megatron_dapo.bridge.export import save_hf_checkpoint
 
-            model_path = run_dir / "sglang_init"  # a server starts from an HF directory: the actor's initial weights
+            model_path = (
+                run_dir / f"{self.spec.name}_init"
+            )  # a server starts from an HF directory: the actor's initial weights
             save_hf_checkpoint(
                 actor.model, arch, model_path, tokenizer, cfg.rollout.bucket_mb << 20, merge_lora=not self.adapters_only
             )  # fmt: skip - collective; LoRA: the base alone
@@ -165,7 +164,7 @@ def check_tensor_sync_reach(cfg: DapoConfig, is_this_node=_is_this_node) -> None
     from urllib.parse import urlsplit
 
     r = cfg.rollout
-    if r.engine != "sglang" or r.weight_sync != "tensor":
+    if r.weight_sync not in engine_spec(r.engine).same_node_syncs:
         return
     away = [u for u in r.server_urls if not is_this_node(urlsplit(u).hostname or "")]
     if away:
@@ -182,7 +181,8 @@ def _node_local_sync(cfg: DapoConfig):
     transport is same-node only (``tensor``: CUDA IPC / shared memory); None otherwise, on every rank."""
     from megatron_dapo.sync.per_node import LocalRoute, NodeLocalSync
 
-    route = LocalRoute.from_env() if cfg.rollout.engine == "sglang" and cfg.rollout.weight_sync == "tensor" else None
+    spec = engine_spec(cfg.rollout.engine)
+    route = LocalRoute.from_env() if cfg.rollout.weight_sync in spec.same_node_syncs else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         routes = [None] * dist.get_world_size()
         dist.all_gather_object(routes, route, group=control_group())
@@ -198,37 +198,24 @@ def _node_local_sync(cfg: DapoConfig):
         route = None
     if route is None:
         return None
-    from megatron_dapo.engines.sglang.client import SGLangEngine
 
     def transport(url: str) -> WeightSync:  # over an engine attached to this node's server (it never generates)
-        return make_weight_sync(cfg, SGLangEngine.from_config(cfg, None, server_urls=[url], start=False))
+        return make_weight_sync(cfg, spec.attach(cfg, url))
 
     return NodeLocalSync(route, transport, control_group())
 
 
 def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
-    """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``."""
+    """The transport named by ``cfg.rollout.weight_sync`` for ``engine``, verifying per ``rollout.verify_sync``; the
+    LoRA adapters alone where the engine applies them (``lora_adapter_sync``)."""
     r = cfg.rollout
-    kind, verify = r.weight_sync, r.verify_sync
+    spec = engine_spec(r.engine)
     if lora_adapter_sync(cfg):
-        from megatron_dapo.bridge.peft import peft_config
-        from megatron_dapo.engines.sglang.adapter_sync import AdapterSync
-
-        folder = Path(cfg.train.run_dir) / cfg.train.name / "lora_adapters"
-        return AdapterSync(engine, peft_config(load_arch(cfg.model.arch), cfg.model.lora), folder, verify)
-    if kind == "copy":
-        return CopySync(engine, verify)
-    classes = {
-        "disk": sglang_sync.DiskSync,
-        "tensor": sglang_sync.TensorSync,
-        "distributed": sglang_sync.DistributedSync,
-    }
-    if kind not in classes:
-        raise ConfigError(f"rollout.weight_sync = {kind!r}: expected copy, tensor, distributed or disk")
-    kwargs = {"head_dim": load_arch(cfg.model.arch).head_dim}
-    if kind == "disk":
-        kwargs["directory"] = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
-    if kind == "distributed":
-        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
-        kwargs["master_port"] = job_ports.weight_sync if job_ports else None
-    return classes[kind](engine, verify, **kwargs)
+        return spec.adapter_sync(cfg, engine)
+    if r.weight_sync == "copy":
+        return CopySync(engine, r.verify_sync)
+    if r.weight_sync not in spec.weight_syncs:
+        raise ConfigError(
+            f"rollout.weight_sync = {r.weight_sync!r}: rollout.engine {spec.name!r} takes {', '.join(spec.weight_syncs)}"
+        )
+    return spec.weight_sync(cfg, engine, r.weight_sync)

@@ -28,6 +28,7 @@ from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.engines.base import check_logprob_gap
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.loop.control import (  # noqa: F401  (DriverError: this module's API since it began)
     DriverError,
     broadcast,
@@ -58,11 +59,12 @@ def prepare_model_and_engine(cfg: DapoConfig) -> None:
     log = (lambda s: print(f"model: {s}", flush=True)) if is_driver() else (lambda s: None)
     cfg.model.hf_init = resolve_hf_dir(cfg.model.hf_init, log)
     r = cfg.rollout
-    if r.engine == "sglang" and r.fallback_hf and importlib.util.find_spec("sglang") is None:
+    package = engine_spec(r.engine).package
+    if package and r.fallback_hf and importlib.util.find_spec(package) is None:
         if is_driver():
             print(
-                "rollout: sglang is not installed: the in-process HF engine generates instead (rollout.fallback_hf; "
-                "`make demo-smollm` installs sglang)",
+                f"rollout: {package} is not installed: the in-process HF engine generates instead "
+                "(rollout.fallback_hf; `make demo-smollm` installs sglang)",
                 flush=True,
             )
         r.engine, r.weight_sync = "hf", "copy"

@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dapo.config.run_config import DapoConfig, load_config, lora_adapter_sync
+from megatron_dapo.config.run_config import DapoConfig, load_config
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import engine_spec, lora_adapter_sync
 from megatron_dapo.models.arch import load_arch
 from megatron_dapo.models.memory import BF16, FP32, GiB, count_params, expert_params, lora_params, total_params
 from megatron_dapo.planning.fake_ranks import RankBuild, build_ranks
@@ -94,7 +95,9 @@ class SyncPlan:
     gather: Any  # actor.gather.GatherBytes of the old-logprob pass, every response at full length
     routes: list[dict]
     concurrency: int = 0  # requests the SGLang engine keeps in flight on each server (0: not SGLang)
-    adapter_tensors: int = 0  # LoRA adapter-only sync (config.lora_adapter_sync): what each sync sends instead
+    adapter_tensors: int = (
+        0  # LoRA adapter-only sync (engines.registry.lora_adapter_sync): what each sync sends instead
+    )
     adapter_bytes: int = 0
 
     @property
@@ -142,11 +145,7 @@ def sync_plan(cfg: DapoConfig, arch, placement) -> SyncPlan:
         {"engine": r.engine, "node": r.node, "senders": list(r.senders), "poster": r.poster, "transport": r.transport}
         for r in placement.routes
     ]
-    concurrency = 0
-    if cfg.rollout.engine == "sglang":
-        from megatron_dapo.engines.sglang.capacity import per_server_concurrency
-
-        concurrency = per_server_concurrency(cfg)
+    concurrency = engine_spec(cfg.rollout.engine).per_server_concurrency(cfg)
     plan = SyncPlan(export, gather, routes, concurrency)
     if lora_adapter_sync(cfg):
         from megatron_dapo.bridge.peft import peft_config

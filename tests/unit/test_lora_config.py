@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.config.run_config import load_config, lora_adapter_sync
+from megatron_dapo.config.run_config import load_config
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import lora_adapter_sync
 from megatron_dapo.engines.sglang.server import server_args
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_dapo.config.run_config import DapoConfig
+from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.engines.hf import HFEngine
 from megatron_dapo.loop.rollout import make_weight_sync
 from megatron_dapo.models.arch import ArchConfig
@@ -173,8 +174,12 @@ def test_factory_follows_config(engine, tmp_path):
     assert make_weight_sync(cfg, engine).verify_mode == "off"
     for kind in ("disk", "tensor", "distributed"):
         cfg.rollout.weight_sync = kind
+        with pytest.raises(ConfigError, match=f"rollout.weight_sync = '{kind}': rollout.engine 'hf' takes copy"):
+            make_weight_sync(cfg, engine)  # the registry's transports for the engine
+        cfg.rollout.engine = "sglang"
         with pytest.raises(WeightSyncError, match="needs an SGLang engine"):
-            make_weight_sync(cfg, engine)
+            make_weight_sync(cfg, engine)  # the SGLang transport checks what it is given
+        cfg.rollout.engine = "hf"
     cfg.rollout.weight_sync = "copy"
     with pytest.raises(WeightSyncError, match="needs the in-process hf engine"):
         make_weight_sync(cfg, object())

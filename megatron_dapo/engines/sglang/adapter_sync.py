@@ -1,4 +1,4 @@
-"""LoRA adapter-only weight sync into SGLang servers (``rollout.lora_sync``, ``config.lora_adapter_sync``).
+"""LoRA adapter-only weight sync into SGLang servers (``rollout.lora_sync``, ``engines.registry.lora_adapter_sync``).
 
 The servers start from the frozen base (``RolloutDriver``: the HF export unmerged) with ``--enable-lora``
 (``server.lora_server_args``); the base never changes. Each sync sends only the adapters, megabytes instead of the
@@ -118,3 +118,13 @@ class _HostChecksums(_Checksums):
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         super().add(name, tensor.detach().cpu())
+
+
+def adapter_sync_from_config(cfg: Any, engine: Any) -> AdapterSync:
+    """The LoRA adapter-only sync of a run (engines/registry.py ``adapter_sync_factory``): PEFT folders under the
+    run's ``lora_adapters/``, verified per ``rollout.verify_sync``."""
+    from megatron_dapo.bridge.peft import peft_config
+    from megatron_dapo.models.arch import load_arch
+
+    folder = Path(cfg.train.run_dir) / cfg.train.name / "lora_adapters"
+    return AdapterSync(engine, peft_config(load_arch(cfg.model.arch), cfg.model.lora), folder, cfg.rollout.verify_sync)

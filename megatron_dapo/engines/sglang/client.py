@@ -51,6 +51,7 @@ from megatron_dapo.engines.sglang.server import (
     ServerUnavailable,
     SGLangServer,
     http_call,
+    server_dtype,
     servers_from_config,
 )
 from megatron_dapo.types import Bucket, GenRequest, RolloutError, Sample, SamplingParams, TokenizerInfo, sample_seed
@@ -147,7 +148,7 @@ class SGLangEngine(Aborts):
             servers,
             routes=RouteLayout.of(cfg),
             tokenizer_info=tokenizer_info,
-            dtype=r.dtype or cfg.model.dtype,
+            dtype=server_dtype(cfg),
             max_concurrency=r.max_concurrency,
             server_timeout=r.server_timeout_s,
             max_restarts_per_step=r.max_restarts_per_step,
@@ -559,3 +560,9 @@ class SGLangEngine(Aborts):
 def engine_from_config(cfg, arch, info: TokenizerInfo, run_dir: Path, model_path) -> SGLangEngine:
     """The engine of ``rollout.engine: sglang`` (engines/registry.py): its servers start from ``model_path``."""
     return SGLangEngine.from_config(cfg, model_path, info, log_dir=Path(run_dir) / "sglang")
+
+
+def attach_from_config(cfg, url: str) -> SGLangEngine:
+    """An engine attached to the running server at ``url`` that never generates: a per-node sync's transport
+    (engines/registry.py ``attach_factory``)."""
+    return SGLangEngine.from_config(cfg, None, server_urls=[url], start=False)

@@ -40,6 +40,7 @@ from megatron_dapo.types import RolloutError
 log = logging.getLogger(__name__)
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 matmul units
 HEALTH_TIMEOUT_S = 30.0  # GET /health runs a 1-token generation: seconds on a busy server
 
 
@@ -354,6 +355,38 @@ def server_pythonpath(paths: Sequence[str | Path]) -> str:
     return os.pathsep.join(parts)
 
 
+def cpu_has_bf16_units(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without them torch computes bf16 linears by
+    converting to fp32 and back: 5.1x slower than fp32 for a [64x576]x[576x1536] linear on an AVX2-only AMD EPYC
+    (docs/benchmarks.md), faster than fp32 only where the units exist."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: assume no bf16 units
+            return False
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return any(f in flags for f in BF16_CPU_FLAGS)
+
+
+def tp_from_config(cfg) -> int:
+    return cfg.rollout.sglang_tp
+
+
+def device_from_config(cfg) -> str:
+    return cfg.rollout.sglang_device
+
+
+def server_dtype(cfg) -> str:
+    """The servers' weight dtype (fp32/bf16/fp16): rollout.dtype, None = model.dtype, auto = bf16 on GPUs and on CPUs
+    with bf16 units, else fp32. Decided where the servers are started or their commands written (dapo launch on a CPU
+    cluster assumes its nodes are alike)."""
+    r = cfg.rollout
+    dtype = r.dtype or cfg.model.dtype
+    if dtype != "auto":
+        return dtype
+    return "bf16" if r.sglang_device == "cuda" or cpu_has_bf16_units() else "fp32"
+
+
 def server_args(cfg) -> list[str]:
     """The `sglang.launch_server` flags a run's config asks for (the platform's own come from ``PLATFORMS``); the Slurm
     launcher uses the same list."""
@@ -381,12 +414,12 @@ def server_args(cfg) -> list[str]:
 
 
 def lora_server_args(cfg, arch) -> list[str]:
-    """SGLang's LoRA flags when the run syncs adapters only (``config.lora_adapter_sync``): the target modules in HF
+    """SGLang's LoRA flags when the run syncs adapters only (``engines.registry.lora_adapter_sync``): the target modules in HF
     names (as the adapters are exported, ``bridge/peft.py``), room for 3 adapters at once (a sync loads the new version
     before it unloads the old one, which waits for the requests still using it), and on a CPU the ``torch_native``
     backend (the others need Triton)."""
     from megatron_dapo.bridge.peft import peft_config
-    from megatron_dapo.config.run_config import lora_adapter_sync
+    from megatron_dapo.engines.registry import lora_adapter_sync
 
     if not lora_adapter_sync(cfg):
         return []
@@ -437,7 +470,7 @@ def servers_from_config(cfg, model_path, log_dir=None, server_urls=None) -> list
             tp_size=r.sglang_tp,
             mem_fraction=r.mem_fraction,
             memory_saver=r.colocate and r.sglang_device == "cuda",  # torch_memory_saver: CUDA only
-            dtype=r.dtype or cfg.model.dtype,
+            dtype=server_dtype(cfg),
             extra_args=server_args(cfg),
             env=dict(kv.split("=", 1) for kv in r.sglang_env),
             log_path=Path(log_dir) / "sglang_server.log" if log_dir else None,

@@ -417,3 +417,21 @@ class DistributedSync(SGLangSync):
                     raise
                 work.wait()
         self._flush(servers)
+
+
+def sync_from_config(cfg: Any, engine: Any, kind: str) -> SGLangSync:
+    """The transport ``kind`` (rollout.weight_sync: disk, tensor or distributed) into ``engine``'s servers, verified
+    per ``rollout.verify_sync`` (engines/registry.py ``sync_factory``)."""
+    from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.ports import JobPorts
+
+    classes = {"disk": DiskSync, "tensor": TensorSync, "distributed": DistributedSync}
+    if kind not in classes:
+        raise ValueError(f"rollout.weight_sync = {kind!r}: SGLang takes {', '.join(classes)}")
+    kwargs: dict[str, Any] = {"head_dim": load_arch(cfg.model.arch).head_dim}
+    if kind == "disk":
+        kwargs["directory"] = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
+    if kind == "distributed":
+        job_ports = JobPorts.from_env()  # under dapo launch: the job's block; else a free port when the group forms
+        kwargs["master_port"] = job_ports.weight_sync if job_ports else None
+    return classes[kind](engine, cfg.rollout.verify_sync, **kwargs)
