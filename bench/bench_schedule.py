@@ -55,7 +55,7 @@ SMALL = ["train.batch_prompts=16", "train.mini_batch_prompts=16", "algo.gen_batc
          "train.min_lr=1e-5"]  # fmt: skip
 EVAL_KEY = "eval/synthetic/chain/avg@4"
 # (recipe, its overrides); the warm start is made once, with the HF engine
-ENGINES = {"hf": ("chain_cpu", ["rollout.hf_max_batch=256"]), "sglang": ("chain_cpu_sglang", [])}
+ENGINES = {"hf": ("chain_cpu", ["rollout.hf.max_batch=256"]), "sglang": ("chain_cpu_sglang", [])}
 
 
 def dapo(args: list[str], log: Path, engine: str = "hf") -> None:

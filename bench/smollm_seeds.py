@@ -54,6 +54,11 @@ def time_log(runs: Path, seed: int) -> Path:
     return runs / f"{run_name(seed)}.time.log"
 
 
+def time_logs(runs: Path, seed: int) -> list[Path]:
+    """The run's GNU time logs: a run stopped and resumed keeps its earlier parts as ``<name>.part<N>.time.log``."""
+    return sorted(runs.glob(f"{run_name(seed)}.part*.time.log")) + [time_log(runs, seed)]
+
+
 def run_seeds(seeds: list[int], runs: Path) -> None:
     runs.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
@@ -68,16 +73,19 @@ def run_seeds(seeds: list[int], runs: Path) -> None:
             sys.exit(f"seed {seed}: make demo-smollm exited {rc}; see {log}")
 
 
-def gnu_time(log: Path) -> dict:
-    """Wall seconds and the largest process's peak RSS (GiB) from ``/usr/bin/time -v`` output."""
-    text = log.read_text()
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
-    secs = sum(float(p) * 60**i for i, p in enumerate(reversed(wall.split(":"))))
-    rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    return {"wall_s": secs, "max_rss_gib": rss_kib / 2**20}
+def gnu_time(logs: list[Path]) -> dict:
+    """Wall seconds (summed over a resumed run's parts) and the largest process's peak RSS (GiB) from
+    ``/usr/bin/time -v`` output."""
+    secs, rss_kib = 0.0, 0
+    for log in logs:
+        text = log.read_text()
+        wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
+        secs += sum(float(p) * 60**i for i, p in enumerate(reversed(wall.split(":"))))
+        rss_kib = max(rss_kib, int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1)))
+    return {"wall_s": secs, "max_rss_gib": rss_kib / 2**20, "parts": len(logs)}
 
 
-def summarize_seed(run: Path, log: Path) -> dict:
+def summarize_seed(run: Path, logs: list[Path]) -> dict:
     rows = read_metrics(run)
     group_size = yaml.safe_load((run / "config.yaml").read_text())["algo"]["group_size"]
     start = next(r for r in rows if r["step"] == 0)
@@ -94,7 +102,7 @@ def summarize_seed(run: Path, log: Path) -> dict:
         "logp_gap_mean": statistics.mean(r["train/logp_gap_mean"] for r in steps),
         "logp_gap_max": max(r["train/logp_gap_max"] for r in steps),
         "server_rss_gib": max((r.get("mem/children_rss_gib", float("nan")) for r in steps), default=float("nan")),
-        **gnu_time(log),
+        **gnu_time(logs),
     }  # fmt: skip
     out["gain"] = out["final_acc"] - out["start_acc"]
     out["samples_per_s"] = out["samples_generated"] / rl_s
@@ -102,7 +110,7 @@ def summarize_seed(run: Path, log: Path) -> dict:
 
 
 def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
-    per = {s: summarize_seed(runs / run_name(s), time_log(runs, s)) for s in seeds}
+    per = {s: summarize_seed(runs / run_name(s), time_logs(runs, s)) for s in seeds}
     finals, gains = [p["final_acc"] for p in per.values()], [p["gain"] for p in per.values()]
     spread = max(finals) - min(finals)
     held_out = {p["held_out"] for p in per.values()}
@@ -120,10 +128,11 @@ def report(seeds: list[int], runs: Path, out_dir: Path) -> Path:
     ]  # fmt: skip
     for s, p in per.items():
         curve = " / ".join(f"{acc:.3f}" for step, acc in p["curve"] if 0 < step < p["steps"])
+        parts = f" ({p['parts']} parts)" if p["parts"] > 1 else ""  # stopped and resumed
         lines.append(
             f"| {s} | {p['base_acc']:.3f} ({p['base_format']:.3f}) | {p['warm_steps']:.0f} | {p['start_acc']:.3f} | "
             f"{curve} | {p['final_acc']:.3f} | "
-            f"{p['gain']:+.3f} | {p['wall_s'] / 60:.1f} min | {p['step_s']:.1f} | {p['samples_per_s']:.1f} | "
+            f"{p['gain']:+.3f} | {p['wall_s'] / 60:.1f} min{parts} | {p['step_s']:.1f} | {p['samples_per_s']:.1f} | "
             f"{p['logp_gap_mean']:.4f} / {p['logp_gap_max']:.2f} | {p['max_rss_gib']:.1f} / "
             f"{p['server_rss_gib']:.1f} GiB |"
         )

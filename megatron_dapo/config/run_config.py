@@ -25,6 +25,9 @@ from megatron_dapo.config.typed_yaml import (
     set_dotted,
 )
 from megatron_dapo.config.validate import check_unused_overrides, validate
+from megatron_dapo.engines.registry import DEFAULT_ENGINE, ENGINES
+
+ENGINE_NAMES = tuple(ENGINES)  # rollout.engine's choices
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RECIPES_DIR = PACKAGE_DIR / "recipes"
@@ -115,9 +118,11 @@ class ToolsConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: Literal["hf", "sglang"] = "hf"
-    # sglang but the sglang package is not installed: the in-process HF engine generates instead, said at start
+class RolloutSettings:
+    """``rollout:`` without the engines' own blocks (``RolloutConfig`` below adds them)."""
+
+    engine: Literal[ENGINE_NAMES] = DEFAULT_ENGINE  # engines/registry.py
+    # a server engine whose package is not installed: the in-process HF engine generates instead, said at start
     fallback_hf: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # copy: in process (hf engine); tensor: /update_weights_from_tensor (CUDA IPC handles on GPU, shared memory on CPU);
@@ -130,18 +135,11 @@ class RolloutConfig:
     bucket_mb: int = 512
     verify_sync: Literal["checksum", "sample", "off"] = "checksum"
     logp_gap_alarm: float = 0.5  # stop when mean |logp_rollout - logp_actor| exceeds this (0 = never)
-    hf_max_batch: int = 64  # HF engine (CPU): sequences per generate call, whole groups; also the abort granularity
     # the rollout engine's weights; None = model.dtype; auto = bf16 on GPUs and on CPUs with bf16 matmul units
     # (AVX512-BF16 / AMX), else fp32 (engines/sglang/server.server_dtype)
     dtype: Literal["fp32", "bf16", "fp16", "auto"] | None = None
-    # SGLang
+    # server engines (their own settings: rollout.<engine>, engines/<engine>/options.py)
     server_urls: list[str] = field(default_factory=list)  # attach to running servers; empty = start them
-    sglang_tp: int = 1
-    sglang_device: Literal["cuda", "cpu"] = "cuda"  # cpu: the real server on CPU cores (tests, demo_cpu_sglang)
-    sglang_deterministic: bool = True  # --enable-deterministic-inference (honours sampling seeds; GPU backends only)
-    sglang_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags
-    sglang_env: list[str] = field(default_factory=list)  # KEY=VALUE for the server processes
-    sglang_pythonpath: list[str] = field(default_factory=list)  # prepended to the servers' PYTHONPATH
     mem_fraction: float = 0.6
     colocate: bool = True
     server_timeout_s: float = 600.0
@@ -187,6 +185,16 @@ class RolloutConfig:
     generate_args: dict = field(default_factory=dict)
     generate_concurrency: int = 64  # rollout-function calls running at once (threads)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+
+
+# rollout: the settings above and one block per engine, ``rollout.<engine>`` (its options dataclass, owned and checked
+# by the engine: engines/<engine>/options.py), so that this module names no engine
+RolloutConfig = dataclasses.make_dataclass(
+    "RolloutConfig",
+    [(name, spec.options, field(default_factory=spec.options)) for name, spec in ENGINES.items() if spec.options],
+    bases=(RolloutSettings,),
+)
+RolloutConfig.__module__ = __name__  # pickled by name (make_dataclass's module= is Python 3.12+)
 
 
 @dataclass
@@ -394,9 +402,11 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         data = _read_recipe(path)
         source = str(path)
     # Check the file alone first, so that an error in it is reported against the file, not the command line.
+    _refuse_moved_keys(data, source)
     from_dict(DapoConfig, data, source)
     for text in overrides or []:
         key, value = parse_override(text)
+        _refuse_moved_keys({}, "command line", key)
         set_dotted(data, key, value)
         from_dict(DapoConfig, data, f"command line ({key})")
     cfg = from_dict(DapoConfig, data, source)
@@ -404,6 +414,17 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     resolve_arch_path(cfg.model.arch)  # unknown architecture names fail here, before compute
     check_unused_overrides(cfg, [parse_override(text) for text in overrides or []])
     return cfg
+
+
+def _refuse_moved_keys(data: dict, source: str, dotted: str | None = None) -> None:
+    """A key an engine moved into its block (``rollout.sglang_tp`` -> ``rollout.sglang.tp``) is named with its new
+    place, in a recipe (``data``) or an override (``dotted``)."""
+    moved = {old: new for spec in ENGINES.values() for old, new in spec.moved_keys.items()}
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    for old in [dotted] if dotted else [f"rollout.{k}" for k in rollout]:
+        if old in moved:
+            raise ConfigError(f"{source}: {old}: this key is now {moved[old]} (engines own their settings: "
+                              f"rollout.<engine>.*, docs/guides/recipes-and-config.md)")  # fmt: skip
 
 
 def config_to_dict(cfg: Any) -> dict:

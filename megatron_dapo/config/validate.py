@@ -4,10 +4,10 @@ cannot work with. Every error names the key and where it came from."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines.registry import ENGINES, engine_spec
 
 if TYPE_CHECKING:
     from megatron_dapo.config.run_config import DapoConfig, ParallelConfig
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # an error (the user meant it to change the run); a recipe may keep them for when the other setting is switched.
 _SYNTHETIC = (lambda c: c.data.synthetic == "none", "data.synthetic = 'none'")
 _NO_WARMUP = (lambda c: not c.train.supervised_warmup_steps, "train.supervised_warmup_steps = 0")
-_NOT_SGLANG = (lambda c: c.rollout.engine != "sglang", "rollout.engine = {rollout.engine!r}")
+_NO_SERVERS = (lambda c: not engine_spec(c.rollout.engine).servers, "rollout.engine = {rollout.engine!r} (no servers)")
 _NO_OVERLONG = (lambda c: not c.algo.overlong_penalty, "algo.overlong_penalty = false")
 _NO_REWARD_FN = (lambda c: c.reward.fn is None, "reward.fn = null (rows are scored by their data_source)")
 _GREEDY = (lambda c: c.eval.greedy, "eval.greedy = true (one greedy sample per problem)")
@@ -33,13 +33,11 @@ _IGNORED_WHEN = {
     "train.supervised_lr": _NO_WARMUP,
     "train.supervised_batch": _NO_WARMUP,
     "train.supervised_stop_acc": _NO_WARMUP,
-    "rollout.hf_max_batch": (lambda c: c.rollout.engine != "hf", "rollout.engine = {rollout.engine!r}"),
-    "rollout.server_urls": _NOT_SGLANG,
-    "rollout.sglang_tp": _NOT_SGLANG,
-    "rollout.mem_fraction": _NOT_SGLANG,
-    "rollout.fallback_hf": _NOT_SGLANG,
-    "rollout.max_concurrency": _NOT_SGLANG,
-    "rollout.fanout": _NOT_SGLANG,
+    "rollout.server_urls": _NO_SERVERS,
+    "rollout.mem_fraction": _NO_SERVERS,
+    "rollout.fallback_hf": _NO_SERVERS,
+    "rollout.max_concurrency": _NO_SERVERS,
+    "rollout.fanout": _NO_SERVERS,
     "algo.overlong_cache": _NO_OVERLONG,
     "algo.overlong_penalty_factor": _NO_OVERLONG,
     "algo.max_gen_batches": (lambda c: not c.algo.dynamic_sampling, "algo.dynamic_sampling = false"),
@@ -75,35 +73,13 @@ def check_unused_overrides(cfg: DapoConfig, overrides: list[tuple[str, Any]]) ->
     """An override the run would silently ignore is an error naming it and the setting that makes it unused."""
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # "{data.synthetic!r}" in the reasons
     for key, value in overrides:
+        block = key.split(".")[1] if key.startswith("rollout.") and key.count(".") >= 2 else None
+        if block in ENGINES and block != cfg.rollout.engine:  # rollout.<engine>.*: that engine's own settings
+            raise ConfigError(f"command line: {key} = {value!r} would be ignored: rollout.engine = "
+                              f"{cfg.rollout.engine!r}")  # fmt: skip
         ignored, why = _IGNORED_WHEN.get(key, (lambda c: False, ""))
         if ignored(cfg):
             raise ConfigError(f"command line: {key} = {value!r} would be ignored: {why.format(**sections)}")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# SGLang server flags the weight sync cannot work with
-
-# every weight-update endpoint of SGLang 0.5.23 asserts get_parallel().dp_size == 1 (sglang/srt/managers/
-# tokenizer_control_mixin.py: init_weights_update_group, update_weights_from_distributed/_tensor/_ipc, ...)
-DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size")
-
-
-def sglang_data_parallel(args: list[str] | tuple[str, ...]) -> str | None:
-    """The flag in ``args`` that makes an SGLang server data-parallel (``--dp-size 2``, ``--dp=2``, or an abbreviation
-    SGLang's argparse accepts, ``--dp-s 2``), as written; None if there is none. One check for the servers the trainer
-    starts (``sglang_server.SGLangServer``) and those ``dapo launch`` starts (config validation, before any step)."""
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        full = len(flag) >= 4 and any(f.startswith(flag) for f in DP_FLAGS)  # argparse takes unique prefixes
-        if not full:
-            continue
-        value = value if eq else (args[i + 1] if i + 1 < len(args) else "1")
-        try:
-            if int(value) > 1:
-                return f"{flag} {value}"
-        except ValueError:
-            continue  # not a size: SGLang's own parser refuses it
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,9 +105,11 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
     targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     if lora.rank and (not lora.targets or set(lora.targets) - set(targets)):
         fail("model.lora.targets", lora.targets, f"must name some of {list(targets)}")
-    if lora.rank and r.lora_sync == "adapter" and r.engine != "sglang":
-        fail("rollout.lora_sync", r.lora_sync, f"adapter-only sync needs rollout.engine = sglang, not {r.engine!r} "
-             "(the in-process HF engine takes the merged weights: lora_sync = merged or auto)")  # fmt: skip
+    spec = engine_spec(r.engine)
+    if lora.rank and r.lora_sync == "adapter" and spec.adapter_sync_factory is None:
+        with_adapters = [n for n, e in ENGINES.items() if e.adapter_sync_factory]
+        fail("rollout.lora_sync", r.lora_sync, f"rollout.engine = {r.engine!r} cannot load adapters (engines that "
+             f"can: {', '.join(with_adapters)}): lora_sync = merged or auto sends it the merged weights")  # fmt: skip
     if not 0 <= cfg.model.moe_aux_loss_coeff:
         fail("model.moe_aux_loss_coeff", cfg.model.moe_aux_loss_coeff, "must be >= 0 (0: no load-balancing loss)")
     if not 0 < a.eps_low < 1:
@@ -204,8 +182,6 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
         fail("rollout.sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
     if r.bucket_mb < 1:
         fail("rollout.bucket_mb", r.bucket_mb, "must be >= 1")
-    if r.hf_max_batch < 1:
-        fail("rollout.hf_max_batch", r.hf_max_batch, "must be >= 1")
     if r.partial_max_age < 1:
         fail("rollout.partial_max_age", r.partial_max_age, "must be >= 1 (weight versions a carried group may lag)")
     if r.max_staleness < 1:
@@ -241,58 +217,15 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             "rollout.server_urls or cluster.placement=disaggregated; the hf engine: its own copy of the weights, "
             "generating in a thread)",
         )
-    # engines/sglang/client.py from_config: without server_urls the trainer starts one server itself, with SGLang's
-    # default --base-gpu-id 0, i.e. on the trainer's own GPUs; uncolocated it never releases their memory. A CPU
-    # server runs on cores (nothing shared to release), and under the disaggregated placement `dapo launch` starts
-    # the servers on cluster.rollout_nodes and hands their URLs to the trainer.
-    colocated_layout = cfg.cluster.placement == "colocated"
-    # a server told which GPUs to use (--base-gpu-id, CUDA_VISIBLE_DEVICES) is the user's choice: one node's async
-    own_gpus = "--base-gpu-id" in r.sglang_args or any(kv.startswith("CUDA_VISIBLE_DEVICES=") for kv in r.sglang_env)
-    if (
-        r.engine == "sglang"
-        and r.sglang_device == "cuda"
-        and not r.colocate
-        and not r.server_urls
-        and colocated_layout
-        and not own_gpus
-    ):
-        fail(
-            "rollout.colocate",
-            r.colocate,
-            "with rollout.server_urls empty the trainer would start its SGLang server on its own GPUs (GPU 0 on, "
-            "never releasing their memory): set rollout.server_urls=[URL, ...] (servers started on other GPUs or "
-            "nodes), or cluster.placement=disaggregated with cluster.rollout_nodes and run `dapo launch` (it "
-            "starts the servers on their own nodes), or rollout.sglang_args=[--base-gpu-id, N] (GPUs the trainer does "
-            "not use), or rollout.colocate=true with rollout.schedule=sync",
-        )
     if r.max_concurrency < 1:
         fail("rollout.max_concurrency", r.max_concurrency, "must be >= 1 (requests in flight per server)")
     if r.max_restarts_per_step < 0:
         fail("rollout.max_restarts_per_step", r.max_restarts_per_step, "must be >= 0 (0 = stop at the first death)")
     if not 0 < r.mem_fraction < 1:
         fail("rollout.mem_fraction", r.mem_fraction, "must be in (0, 1)")
-    if r.engine == "hf" and r.weight_sync != "copy":
-        fail("rollout.weight_sync", r.weight_sync, "the hf engine is synced in process: use 'copy'")
-    if r.engine == "sglang" and r.weight_sync == "copy":
-        fail("rollout.weight_sync", r.weight_sync, "sglang needs tensor, distributed or disk")
-    dp_flag = sglang_data_parallel(r.sglang_args)
-    if dp_flag:
+    if r.weight_sync not in spec.weight_syncs:
         fail(
-            "rollout.sglang_args",
-            r.sglang_args,
-            f"{dp_flag}: every weight update of SGLang asserts dp_size == 1 (tokenizer_control_mixin.py); for more "
-            "replicas use more servers: dapo launch starts one per rollout.sglang_tp GPUs, or list them in "
-            "rollout.server_urls",
-        )
-    # NCCL src/init.cc (initTransportsRank): "Duplicate GPU detected : rank %d and rank %d both on CUDA device" ->
-    # ncclInvalidUsage, when two ranks of one communicator share a bus id; a gloo group (CPU servers) has no such rule
-    if r.engine == "sglang" and r.colocate and r.sglang_device == "cuda" and r.weight_sync == "distributed":
-        fail(
-            "rollout.weight_sync",
-            r.weight_sync,
-            "with rollout.colocate = true the sync group would hold trainer rank 0 and SGLang's TP rank 0 on one "
-            "GPU, and NCCL refuses two ranks of a group on one device: use rollout.weight_sync=tensor (CUDA IPC, "
-            "for colocated servers) or disk, or rollout.colocate=false with cluster.placement=disaggregated",
+            "rollout.weight_sync", r.weight_sync, f"rollout.engine = {r.engine!r} takes {', '.join(spec.weight_syncs)}"
         )
     if r.control_timeout_s < r.server_timeout_s:
         fail(
@@ -301,19 +234,8 @@ def validate(cfg: DapoConfig, source: str = "config") -> None:
             f"the other ranks wait this long on the control plane while rank 0 starts its servers: must be >= "
             f"rollout.server_timeout_s ({r.server_timeout_s})",
         )
-    for kv in r.sglang_env:
-        if "=" not in kv or not kv.split("=", 1)[0]:
-            fail("rollout.sglang_env", kv, "entries are KEY=VALUE")
-    if r.sglang_device == "cpu" and r.sglang_deterministic:
-        fail(
-            "rollout.sglang_deterministic",
-            r.sglang_deterministic,
-            "SGLang's deterministic inference needs a GPU attention backend (on a CPU it only has torch_native)",
-        )
-    if r.engine == "sglang" and not r.server_urls:
-        for path in r.sglang_pythonpath:
-            if not Path(path).is_dir():
-                fail("rollout.sglang_pythonpath", path, f"not a directory (relative to {Path.cwd()})")
+    if spec.check is not None:  # the engine's own rules (engines/<engine>/options.py)
+        spec.check(cfg, fail)
     if d.max_prompt_len < 1:
         fail("data.max_prompt_len", d.max_prompt_len, "must be >= 1")
     if d.synthetic_eval_split == "dev" and d.synthetic != "chain_mix":

@@ -452,7 +452,7 @@ def engine_from_config(cfg, arch: ArchConfig, info: TokenizerInfo, run_dir, mode
         arch,
         info,
         dtype=dtype,
-        max_batch=cfg.rollout.hf_max_batch,
+        max_batch=cfg.rollout.hf.max_batch,
         seed=cfg.train.seed,
         return_routes=routes_wanted(cfg.rollout.routing_replay, arch),
     )

@@ -1,15 +1,21 @@
-"""The rollout engines, by ``rollout.engine``: what the loop, launch and planning ask of an engine. Adding an engine is
-one subpackage in ``engines/`` (a ``RolloutEngine``, see ``base.py``) and one entry here (docs/extending.md); no module
-outside ``engines/`` compares ``rollout.engine`` to a name (tests/unit/test_engine_registry.py)."""
+"""The rollout engines, by ``rollout.engine``: what the config, the loop, launch and planning ask of an engine. Adding
+an engine is one subpackage in ``engines/`` (a ``RolloutEngine``, see ``base.py``; its config block in an ``options``
+module) and one entry here (docs/extending.md); no module outside ``engines/`` names an engine
+(tests/unit/test_engine_registry.py). Config-level: this module and the options modules import config's typing only
+(``config/run_config.py`` builds ``RolloutConfig`` from them; tests/unit/test_layering.py ``CONFIG_LEVEL``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.config.plugins import load_callable
 from megatron_dapo.config.typed_yaml import ConfigError
+from megatron_dapo.engines import hf_options
+from megatron_dapo.engines.sglang import options as sglang_options
 
 if TYPE_CHECKING:
     from megatron_dapo.engines.base import RolloutEngine
@@ -41,9 +47,22 @@ class EngineSpec:
     concurrency: str | None = None  # (cfg) -> requests in flight per server
     tp_of: str | None = None  # (cfg) -> GPUs per engine
     device_of: str | None = None  # (cfg) -> "cuda" | "cpu"
+    # its config block, rollout.<name> (a dataclass), the rules it checks on a run that uses it (cfg, fail), and the
+    # keys it had before the block (old dotted key -> new), named in the error a recipe using one gets
+    options: type | None = None
+    check: Callable[[Any, Callable[[str, Any, str], None]], None] | None = None
+    moved_keys: Mapping[str, str] = field(default_factory=dict)
     # dapo launch: (cfg, python, port, colocated, host, args_file, base_gpu_id, nccl_port) -> a server's command line
     launch_command_factory: str | None = None
     launch_env_factory: str | None = None  # (cfg, colocated) -> the environment of a server task
+    # the module of the servers' per-job API key: API_KEY_ENV (the variable the trainer gets it in), new_api_key(),
+    # write_args_file(path, key) (the private file the servers read it from)
+    auth_module: str | None = None
+    # the planner's and the rehearsal's memory model of one engine rank: (arch, tp, gpu_bytes, mem_fraction) -> terms
+    # (weights, kv_cache, kv_tokens, startup, rollout, rows(tp, phase)), and (arch, tp, gpu_bytes, startup_room,
+    # rollout_room) -> the largest mem_fraction whose phases fit those rooms
+    memory_factory: str | None = None
+    fit_mem_fraction_factory: str | None = None
 
     def make(self, cfg: Any, arch: ArchConfig, info: TokenizerInfo, run_dir: Path, model_path) -> RolloutEngine:
         return self._call("factory", cfg, arch, info, run_dir, model_path)
@@ -80,13 +99,33 @@ class EngineSpec:
     def launch_env(self, cfg: Any, colocated: bool) -> dict[str, str]:
         return self._call("launch_env_factory", cfg, colocated)
 
+    def auth(self):
+        """The servers' key module (``auth_module``), imported."""
+        if self.auth_module is None:
+            raise ConfigError(f"rollout.engine = {self.name!r} has no servers to authenticate to")
+        return importlib.import_module(self.auth_module)
+
+    def memory(self, arch: Any, tp: int, gpu_bytes: float, mem_fraction: float | None) -> Any:
+        return self._call("memory_factory", arch, tp, gpu_bytes, mem_fraction)
+
+    def fit_mem_fraction(self, arch: Any, tp: int, gpu_bytes: float, *rooms: float) -> float:
+        return self._call("fit_mem_fraction_factory", arch, tp, gpu_bytes, *rooms)
+
     def per_server_concurrency(self, cfg: Any) -> int:
         return int(self._call("concurrency", cfg)) if self.concurrency else 0
 
 
 _SG = "megatron_dapo.engines.sglang"
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec("hf", "megatron_dapo.engines.hf:engine_from_config", False, ("copy",)),
+    "hf": EngineSpec(
+        "hf",
+        "megatron_dapo.engines.hf:engine_from_config",
+        False,
+        ("copy",),
+        options=hf_options.HFOptions,
+        check=hf_options.validate,
+        moved_keys=hf_options.MOVED_KEYS,
+    ),
     "sglang": EngineSpec(
         "sglang",
         f"{_SG}.client:engine_from_config",
@@ -96,7 +135,7 @@ ENGINES: dict[str, EngineSpec] = {
         package="sglang",
         gpu_modules=(("sglang", "SGLang"), ("sgl_kernel", "SGLang's CUDA kernels (sgl-kernel)")),
         same_node_syncs=("tensor",),
-        tp_key="rollout.sglang_tp",
+        tp_key="rollout.sglang.tp",
         sync_factory=f"{_SG}.sync:sync_from_config",
         adapter_sync_factory=f"{_SG}.adapter_sync:adapter_sync_from_config",
         attach_factory=f"{_SG}.client:attach_from_config",
@@ -105,8 +144,18 @@ ENGINES: dict[str, EngineSpec] = {
         device_of=f"{_SG}.server:device_from_config",
         launch_command_factory=f"{_SG}.launch:launch_command",
         launch_env_factory=f"{_SG}.launch:launch_env",
+        auth_module=f"{_SG}.auth",
+        memory_factory=f"{_SG}.memory:sglang_arch_terms",
+        fit_mem_fraction_factory=f"{_SG}.memory:fit_mem_fraction",
+        options=sglang_options.SGLangOptions,
+        check=sglang_options.validate,
+        moved_keys=sglang_options.MOVED_KEYS,
     ),
 }
+
+
+DEFAULT_ENGINE = "hf"  # rollout.engine's default, and what rollout.fallback_hf falls back to: in process, no servers
+GPU_ENGINE = "sglang"  # the engine `dapo plan` sizes when it is given no config (PlanOptions.engine)
 
 
 def engine_spec(name: str) -> EngineSpec:

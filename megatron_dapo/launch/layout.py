@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.launch.slurm_env import LaunchError
 from megatron_dapo.models.memory import GiB
 
@@ -33,7 +34,9 @@ def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
     p, r = cfg.parallel, cfg.rollout
     max_new = r.sampling.max_new_tokens
     colocated = cfg.cluster.placement == "colocated"
+    spec = engine_spec(r.engine)
     options = dict(
+        engine=r.engine,
         colocated=colocated,
         rollout_mem_fraction=r.mem_fraction,
         batch_prompts=cfg.train.batch_prompts,
@@ -59,7 +62,7 @@ def layout_memory(cfg: DapoConfig, nodes: int, gpus_per_node: int) -> Plan:
         recompute=cfg.model.recompute or "none",
         distributed_optimizer=p.distributed_optimizer is not False,
         fp8=cfg.model.fp8 is not None,
-        sglang_tp=r.sglang_tp,
+        engine_tp=spec.tp(cfg),
         ep=p.ep,
         **options,
     )

@@ -182,7 +182,7 @@ def make_placement(
         raise PlacementError(f"cluster.nodes = {nodes}, cluster.gpus_per_node = {gpus_per_node}: must be >= 1")
     if rollout_tp < 1 or gpus_per_node % rollout_tp:
         raise PlacementError(
-            f"rollout.sglang_tp = {rollout_tp}: must divide cluster.gpus_per_node ({gpus_per_node}): an engine's "
+            f"rollout.sglang.tp = {rollout_tp}: must divide cluster.gpus_per_node ({gpus_per_node}): an engine's "
             "GPUs are on one node"
         )
     if not colocated and not 0 < rollout_nodes < nodes:

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_dapo.engines.sglang.auth import API_KEY_ENV, new_api_key, write_args_file
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.launch.health import progress
 from megatron_dapo.launch.slurm_env import LaunchError
 from megatron_dapo.launch.stop import StopRelay
@@ -65,14 +65,19 @@ class Supervisor:
         self.stop = StopRelay.for_plan(plan, lambda msg: self.say(msg), stop_before_s)
         self.api_key = ""  # the job's server key (run() makes it): in the trainer's environment only
 
+    def _auth(self):
+        """The servers' per-job key module (engines/registry.py ``auth_module``: SGLang's is engines/sglang/auth.py)."""
+        return engine_spec(self.plan.engine).auth()
+
     def say(self, msg: str) -> None:
         print(f"[dapo launch {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
 
     def start(self, step: Step) -> None:
         srun_log = f"{self.plan.log_dir}/{step.name}.srun.log"
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | self.plan.env | step.env
+        key_env = self._auth().API_KEY_ENV if self.plan.servers else None
+        env = {k: v for k, v in os.environ.items() if k != key_env} | self.plan.env | step.env
         if step.role == "trainer" and self.api_key:
-            env[API_KEY_ENV] = self.api_key  # servers read theirs from the args file
+            env[key_env] = self.api_key  # servers read theirs from the args file
         with open(srun_log, "w") as f:
             proc = subprocess.Popen(
                 step.srun, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -177,8 +182,9 @@ class Supervisor:
         old[signal.SIGUSR1] = self.stop.install()
         try:
             if self.plan.servers:
-                self.api_key = os.environ.get(API_KEY_ENV) or new_api_key()
-                write_args_file(self.plan.server_args_file, self.api_key)
+                auth = self._auth()
+                self.api_key = os.environ.get(auth.API_KEY_ENV) or auth.new_api_key()
+                auth.write_args_file(self.plan.server_args_file, self.api_key)
             for step in self.plan.servers:
                 self.start(step)
             if self.plan.servers:

@@ -28,7 +28,7 @@ from megatron_dapo.data.dataset import PromptIterator
 from megatron_dapo.data.sources import build_prompt_datasets
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.engines.base import check_logprob_gap
-from megatron_dapo.engines.registry import engine_spec
+from megatron_dapo.engines.registry import DEFAULT_ENGINE, engine_spec
 from megatron_dapo.loop.control import (  # noqa: F401  (DriverError: this module's API since it began)
     DriverError,
     broadcast,
@@ -67,7 +67,7 @@ def prepare_model_and_engine(cfg: DapoConfig) -> None:
                 "(rollout.fallback_hf; `make demo-smollm` installs sglang)",
                 flush=True,
             )
-        r.engine, r.weight_sync = "hf", "copy"
+        r.engine, r.weight_sync = DEFAULT_ENGINE, "copy"
 
 
 class Trainer:

@@ -22,5 +22,3 @@ class Family:
     # ArchConfig fields the family reads from config.json beyond the shared ones (hf_config.FIELDS), and writes back
     extra_from_hf: Callable[[dict, str], dict] | None = None
     extra_to_hf: Callable[..., dict] | None = None
-    # what the SGLang rollout engine cannot serve of an architecture of this family: a reason, or None (served)
-    sglang_limits: Callable[..., str | None] | None = None

@@ -538,7 +538,7 @@ def rollout_phase(m, r, o, usable: float) -> PhaseMemory:
     """Generation: the trainer's weights (its grads and optimizer states offloaded unless ``o.offload_train_state`` is
     off) + the engine's ``mem_fraction`` (weights + KV cache) + its CUDA graphs, which SGLang allocates outside
     ``mem_fraction`` (``plan.Rollout`` ``r``, ``plan.PlanOptions`` ``o``). When ``r`` carries SGLang's own terms
-    (``r.sglang``: ``engines.sglang.memory.SGLangMemory``) the engine's rows are those, activations included, and
+    (``r.engine_terms``: SGLang's ``engines.sglang.memory.SGLangMemory``) the engine's rows are those, activations included, and
     ``overhead`` is the trainer's alone."""
     off = o.offload_train_state
     kv = max(r.share - r.weights, 0.0)
@@ -547,10 +547,12 @@ def rollout_phase(m, r, o, usable: float) -> PhaseMemory:
         ("trainer grads", 0.0 if off else m.grads, "offloaded to the host" if off else "kept"),
         ("trainer optimizer", 0.0 if off else m.optimizer, "offloaded to the host" if off else "kept"),
     ]
-    if (sg := getattr(r, "sglang", None)) is not None:  # SGLang's own terms (engines/sglang/memory.py)
-        return PhaseMemory("rollout", rows + _sglang_rows(sg, r.sglang_tp, "rollout") + [_trainer_overhead(o)], usable)
+    if r.engine_terms is not None:  # the engine's own terms (SGLang's: engines/sglang/memory.py)
+        return PhaseMemory(
+            "rollout", rows + r.engine_terms.rows(r.engine_tp, "rollout") + [_trainer_overhead(o)], usable
+        )
     rows += [
-        ("SGLang weights", r.weights, f"the whole model (bf16) / TP{r.sglang_tp}"),
+        ("SGLang weights", r.weights, f"the whole model (bf16) / TP{r.engine_tp}"),
         ("SGLang KV cache", kv, f"mem_fraction {r.mem_fraction:.2f} × GPU − weights: {r.kv_tokens:,} tokens/engine"),
         ("SGLang CUDA graphs", o.cuda_graph_gb * GiB, "captured decode graphs, outside mem_fraction"),
         ("overhead", o.overhead_gb * GiB, "CUDA contexts, NCCL, fragmentation"),
@@ -562,14 +564,16 @@ def startup_phase(m, r, o, usable: float, opt_div: int) -> PhaseMemory:
     """Before the first release (``MemoryPhases.__init__`` offloads the trainer and releases the engines only once
     both are up): the trainer's whole resident state — weights, the DDP grad buffers, and the optimizer states a
     resumed run has just loaded — next to engines that hold their whole ``mem_fraction`` and CUDA graphs (with
-    ``r.sglang``: SGLang's own start-up terms, see ``rollout_phase``)."""
+    ``r.engine_terms``: the engine's own start-up terms, see ``rollout_phase``)."""
     rows = [
         ("trainer weights", m.weights + m.fp8_cache, f"stage {m.stage}'s parameters"),
         ("trainer grads", m.grads, "the DDP grad buffers, allocated when the model is wrapped"),
         ("trainer optimizer", m.optimizer, f"params × 12 B / {opt_div}: loaded by a resumed run before the offload"),
     ]
-    if (sg := getattr(r, "sglang", None)) is not None:  # SGLang's own terms (engines/sglang/memory.py)
-        return PhaseMemory("startup", rows + _sglang_rows(sg, r.sglang_tp, "startup") + [_trainer_overhead(o)], usable)
+    if r.engine_terms is not None:  # the engine's own terms (SGLang's: engines/sglang/memory.py)
+        return PhaseMemory(
+            "startup", rows + r.engine_terms.rows(r.engine_tp, "startup") + [_trainer_overhead(o)], usable
+        )
     rows += [
         ("SGLang weights + KV", r.share, f"mem_fraction {r.mem_fraction:.2f} × GPU, allocated at server start"),
         ("SGLang CUDA graphs", o.cuda_graph_gb * GiB, "captured at server start"),
@@ -580,25 +584,3 @@ def startup_phase(m, r, o, usable: float, opt_div: int) -> PhaseMemory:
 
 def _trainer_overhead(o) -> tuple[str, float, str]:
     return ("overhead", o.overhead_gb * GiB, "the trainer's CUDA context, NCCL, fragmentation")
-
-
-def _sglang_rows(sg, tp: int, phase: str) -> list[tuple[str, float, str]]:
-    """SGLang's rows of a phase from its own terms (``engines.sglang.memory.SGLangMemory``, which cites the SGLang code
-    of each): start-up holds the weights, KV pool, request table, CUDA graphs and runtime state; generation adds the
-    activations of a prefill chunk."""
-    runtime = sg.context + sg.metadata + sg.parallel
-    pool = f"mem_fraction {sg.mem_fraction:.2f} × the memory free at server start"
-    rows = [("SGLang weights", sg.weights, f"the whole model (bf16) / TP{tp}"),
-            ("SGLang KV cache", sg.kv_cache, f"{pool} − weights: {sg.kv_tokens:,} tokens/engine")]  # fmt: skip
-    if phase == "startup":
-        rows = [("SGLang weights + KV", sg.weights + sg.kv_cache, f"{pool}: {sg.kv_tokens:,} KV tokens/engine")]
-    rows += [
-        ("SGLang request table", sg.req_to_token, f"int32 [{sg.max_running_requests:,} requests + 1, context + 4]"),
-        ("SGLang CUDA graphs", sg.cuda_graphs, f"SGLang's estimate for cuda_graph_max_bs {sg.cuda_graph_max_bs}"),
-        ("SGLang runtime", runtime, "its CUDA context, attention metadata, parallel groups"),
-    ]
-    if phase == "rollout":
-        rows.append(
-            ("SGLang activations", sg.activations, f"SGLang's reserve for a {sg.chunked_prefill_size:,}-token chunk")
-        )
-    return rows

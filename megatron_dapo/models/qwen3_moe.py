@@ -82,19 +82,6 @@ def moe_to_hf(arch) -> dict:
     return out
 
 
-def sglang_limits(arch) -> str | None:
-    """SGLang 0.5.23 builds every Qwen3-MoE layer sparse, whatever ``mlp_only_layers`` / ``decoder_sparse_step`` say
-    (sglang/srt/models/qwen3_moe.py ``Qwen3MoeDecoderLayer.stage_facts``: "all layers are sparse"): a dense layer's
-    weights would not load and it would serve another model. Released Qwen3-MoE checkpoints have no dense layer."""
-    dense = [i for i, moe in enumerate(arch.moe_layer_pattern()) if not moe]
-    if dense:
-        return (
-            f"layers {dense} are dense (moe_layers), but SGLang 0.5.23 serves every Qwen3-MoE layer as a mixture of "
-            "experts (sglang/srt/models/qwen3_moe.py stage_facts); use rollout.engine=hf or an all-MoE architecture"
-        )
-    return None
-
-
 FAMILY = Family(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
@@ -106,5 +93,4 @@ FAMILY = Family(
     moe=True,
     extra_from_hf=moe_from_hf,
     extra_to_hf=moe_to_hf,
-    sglang_limits=sglang_limits,
 )

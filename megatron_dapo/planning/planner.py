@@ -55,8 +55,9 @@ import math
 from dataclasses import dataclass
 
 from megatron_dapo.config.typed_yaml import ConfigError
-from megatron_dapo.engines.sglang.memory import fit_mem_fraction, gpu_total_gib, sglang_arch_terms
+from megatron_dapo.engines.registry import engine_spec
 from megatron_dapo.models.arch import ArchConfig, load_arch, padded_vocab_size
+from megatron_dapo.models.gpus import gpu_total_gib
 from megatron_dapo.models.memory import (
     BF16,
     FP32,
@@ -117,13 +118,13 @@ def _rollout(
     (``engines/sglang/memory.py``: weights, KV = mem_fraction × free memory at start − weights, request table, CUDA
     graphs, runtime, activations); ``mem_fraction`` None: the largest that fits ``rooms`` (the bytes the start-up and
     the rollout phase leave the engine)."""
-    a = job.arch
+    a, engine = job.arch, engine_spec(job.opt.engine)
     best = None
     for tp in [fixed_tp] if fixed_tp else _powers_of_two(job.gpus_per_node):
-        mf = mem_fraction if mem_fraction is not None else fit_mem_fraction(a, tp, job.gpu, *rooms)
-        sg = sglang_arch_terms(a, tp, job.gpu, mf)
+        mf = mem_fraction if mem_fraction is not None else engine.fit_mem_fraction(a, tp, job.gpu, *rooms)
+        sg = engine.memory(a, tp, job.gpu, mf)
         share = max(sg.weights + sg.kv_cache, 0.0)
-        best = Rollout(job.opt.colocated, tp, share, mf, sg.weights, sg.kv_tokens, trainer_resident, sglang=sg)
+        best = Rollout(job.opt.colocated, tp, share, mf, sg.weights, sg.kv_tokens, trainer_resident, sg, engine.tp_key)
         if (
             sg.weights <= share * job.opt.rollout_weight_share
             and sg.kv_tokens >= job.opt.min_rollout_seqs * job.max_seq
@@ -132,7 +133,7 @@ def _rollout(
     assert best is not None
     return best, (
         f"SGLang does not fit: mem_fraction {best.mem_fraction:.2f} leaves it {best.share / GiB:.1f} GiB/GPU; at "
-        f"TP{best.sglang_tp} its weights take {best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} "
+        f"TP{best.engine_tp} its weights take {best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} "
         f"tokens, fewer than {job.opt.min_rollout_seqs} × {job.max_seq} (min_rollout_seqs × max sequence)"
     )
 
@@ -233,7 +234,7 @@ def evaluate_layout(
     recompute: str = "none",
     distributed_optimizer: bool = True,
     fp8: bool = False,
-    sglang_tp: int | None = None,
+    engine_tp: int | None = None,
     ep: int = 1,
     **options,
 ) -> Plan:
@@ -252,7 +253,7 @@ def evaluate_layout(
             f"parallel.ep = {ep}: must divide DP × CP = {dp * cp} (megatron-core folds EP over the data- and "
             f"context-parallel ranks) and num_experts = {job.arch.num_experts}"
         )
-    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, sglang_tp, True, ep=ep)
+    return _evaluate(job, tp, pp, cp, micro_batch_tokens, recompute, distributed_optimizer, fp8, engine_tp, True, ep=ep)
 
 
 def _evaluate(
@@ -264,7 +265,7 @@ def _evaluate(
     recompute: str,
     distopt: bool,
     fp8: bool,
-    sglang_tp: int | None = None,
+    engine_tp: int | None = None,
     every_stage: bool = False,
     ep: int = 1,
 ) -> Plan:
@@ -361,9 +362,9 @@ def _evaluate(
     if o.colocated:
         # unset: the largest that fits beside the trainer's whole state at start-up and its weights while generating
         rooms = (job.usable - max(st.resident for st in stages) - overhead, job.usable - resident - overhead)
-        rollout, why = _rollout(job, o.rollout_mem_fraction, resident, sglang_tp, rooms)
+        rollout, why = _rollout(job, o.rollout_mem_fraction, resident, engine_tp, rooms)
     else:
-        rollout, why = _rollout(job, o.rollout_mem_fraction or 0.85, resident, sglang_tp)
+        rollout, why = _rollout(job, o.rollout_mem_fraction or 0.85, resident, engine_tp)
     phases = []
     if o.colocated:
         opt_div = dp * cp if distopt else 1
@@ -381,7 +382,7 @@ def _evaluate(
         if not phases[1].fits:
             reasons.append(
                 f"rollout phase: trainer keeps {resident / GiB:.1f} GiB + overhead {o.overhead_gb:g} + SGLang "
-                f"{rollout.sglang.rollout / GiB:.1f} GiB = {phases[1].total / GiB:.1f} > {job.usable / GiB:.1f} GiB usable (lower the "
+                f"{rollout.engine_terms.rollout / GiB:.1f} GiB = {phases[1].total / GiB:.1f} > {job.usable / GiB:.1f} GiB usable (lower the "
                 "SGLang mem_fraction or offload the train state)"
             )
     if why:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from megatron_dapo.engines.sglang.memory import SGLangMemory
+from megatron_dapo.engines.registry import GPU_ENGINE
 from megatron_dapo.models.memory import RECOMPUTE, GiB, PhaseMemory
 
 
@@ -49,16 +50,19 @@ class Memory:
 
 @dataclass
 class Rollout:
-    """The SGLang side: its TP, memory share per GPU and KV-cache capacity per engine (tokens)."""
+    """The rollout engines' side: their TP, memory share per GPU and KV-cache capacity per engine (tokens)."""
 
     colocated: bool
-    sglang_tp: int
+    engine_tp: int
     share: float  # bytes per GPU SGLang may use
     mem_fraction: float
     weights: float  # bytes per GPU
     kv_tokens: int  # per engine
     trainer_resident: float  # bytes the trainer keeps on the GPU during rollout
-    sglang: SGLangMemory | None = None  # SGLang's own terms (engines/sglang/memory.py)
+    # the engine's own terms (engines/registry.py memory_factory; SGLang's: engines/sglang/memory.py SGLangMemory),
+    # which give the phase tables their rows (``rows(tp, phase)``)
+    engine_terms: Any = None
+    tp_key: str = ""  # the config key of the engine's TP (engines/registry.py EngineSpec.tp_key)
 
 
 @dataclass
@@ -117,7 +121,7 @@ class Plan:
         ]
         if self.rollout is not None:
             out += [
-                f"rollout.sglang_tp={self.rollout.sglang_tp}",
+                f"{self.rollout.tp_key}={self.rollout.engine_tp}",
                 # rounded down: the start-up phase is sized with this share, and rounding up can overflow it
                 f"rollout.mem_fraction={math.floor(self.rollout.mem_fraction * 100) / 100:.2f}",
             ]
@@ -168,7 +172,7 @@ class Plan:
             where = "colocated" if r.colocated else "separate nodes"
             meanwhile = f"; trainer keeps {r.trainer_resident / gib:.1f} GiB meanwhile" if r.colocated else ""
             lines.append(
-                f"rollout ({where}): SGLang TP{r.sglang_tp}, share {r.share / gib:.1f} GiB/GPU "
+                f"rollout ({where}): SGLang TP{r.engine_tp}, share {r.share / gib:.1f} GiB/GPU "
                 f"(mem_fraction {r.mem_fraction:.2f}), weights {r.weights / gib:.1f} GiB, KV cache "
                 f"{r.kv_tokens:,} tokens/engine{meanwhile}"
             )
@@ -187,6 +191,7 @@ class Plan:
 class PlanOptions:
     """The knobs of ``plan`` (keyword arguments) besides the model and the cluster."""
 
+    engine: str = GPU_ENGINE  # rollout.engine: whose memory model sizes the rollout side (engines/registry.py)
     colocated: bool = True  # SGLang and training share the GPUs; else SGLang runs on ``rollout_nodes``
     rollout_nodes: int | None = None  # disaggregated only; default half the nodes
     rollout_mem_fraction: float | None = None  # SGLang's share; None: colocated = what the trainer leaves, else 0.85

@@ -200,10 +200,8 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
     overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
     released = Term("SGLang (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
-    sg = r.sglang  # SGLang's own sizing (engines/sglang/memory.py, each term cited from SGLang's code)
-    engine_weights = Term(
-        "SGLang weights", sync.model_bytes / cfg.rollout.sglang_tp, sg.weights, f"HF model / TP{cfg.rollout.sglang_tp}"
-    )
+    sg = r.engine_terms  # the engine's own sizing (SGLang's: engines/sglang/memory.py, each term cited from its code)
+    engine_weights = Term("SGLang weights", sync.model_bytes / r.engine_tp, sg.weights, f"HF model / TP{r.engine_tp}")
     kv = Term(
         "SGLang KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens"
     )
@@ -311,7 +309,7 @@ def rehearse(
             p.tp,
             p.pp,
             p.cp,
-            r.sglang_tp,
+            engine_spec(r.engine).tp(cfg),
             colocated,
             cfg.cluster.rollout_nodes if not colocated else 0,
         )

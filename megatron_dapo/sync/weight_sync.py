@@ -223,11 +223,10 @@ class CopySync(WeightSync):
     transport = "copy"
 
     def __init__(self, engine: Any, verify: str = "checksum", sample_size: int = 16):
-        from megatron_dapo.engines.hf import HFEngine
-
-        if not isinstance(engine, HFEngine):
+        if not callable(getattr(engine, "state_tensor", None)):  # the read-back that verifies the copy
             raise WeightSyncError(
-                f"rollout.weight_sync = copy needs the in-process hf engine, not {type(engine).__name__}"
+                f"rollout.weight_sync = copy needs an in-process engine (one with state_tensor), not "
+                f"{type(engine).__name__}"
             )
         super().__init__(engine, verify, sample_size)
 

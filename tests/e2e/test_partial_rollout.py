@@ -24,7 +24,7 @@ COMMON = ["algo.dynamic_sampling=false", "algo.group_size=4", "data.synthetic_tr
 # B = 1 kept group of 4 prompts a round, 4 groups per HF micro-batch: the groups after the cut are in flight when it
 # comes (some of their samples still running): they are carried
 PARTIAL = ["rollout.partial=true", "train.batch_prompts=1", "train.mini_batch_prompts=1", "algo.gen_batch_prompts=4",
-           "rollout.hf_max_batch=16", f"rollout.sampling.max_new_tokens={MAX_NEW}", "train.supervised_warmup_steps=0",
+           "rollout.hf.max_batch=16", f"rollout.sampling.max_new_tokens={MAX_NEW}", "train.supervised_warmup_steps=0",
            "train.steps=5", "train.save_interval=1", "train.keep_checkpoints=5"]  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""Issue 22 #3: the data-parallel check (``config.sglang_data_parallel``, run by config validation for every path)
-reads ``rollout.sglang_args`` as SGLang 0.5.23's own parser does (``prepare_server_args``: full flags, ``=`` forms,
+"""Issue 22 #3: the data-parallel check (``engines.sglang.options.sglang_data_parallel``, run by config validation for every path)
+reads ``rollout.sglang.args`` as SGLang 0.5.23's own parser does (``prepare_server_args``: full flags, ``=`` forms,
 argparse's unique abbreviations): a server it lets through has dp_size == 1, which every weight update asserts
 (srt/managers/tokenizer_control_mixin.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.config.validate import sglang_data_parallel
+from megatron_dapo.engines.sglang.options import sglang_data_parallel
 
 FORMS = [["--dp-size", "2"], ["--dp", "2"], ["--data-parallel-size", "3"], ["--dp-size=2"], ["--dp-s", "2"],
          ["--data-p", "2"], ["--dp-size", "1"], ["--attn-dp-size", "2"], ["--max-total-tokens", "2"], []]  # fmt: skip

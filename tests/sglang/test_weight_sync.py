@@ -110,8 +110,8 @@ def test_sleep_and_wake_keep_serving(engine):
 
 
 def test_factory_builds_each_transport_from_config(engine):
-    cfg = load_config("demo_cpu", ["rollout.engine=sglang", "rollout.weight_sync=disk", "rollout.sglang_device=cpu",
-                                   "rollout.sglang_deterministic=false"])  # fmt: skip
+    cfg = load_config("demo_cpu", ["rollout.engine=sglang", "rollout.weight_sync=disk", "rollout.sglang.device=cpu",
+                                   "rollout.sglang.deterministic=false"])  # fmt: skip
     for kind, cls in TRANSPORTS.items():
         cfg.rollout.weight_sync = kind
         sync = make_weight_sync(cfg, engine)

@@ -1,6 +1,6 @@
 """CPU STAND-IN for one SGLang 0.5.23 allocation, for the real server on a CPU in tests and the CPU demos.
 
-This folder goes on the PYTHONPATH of the SERVER process only (``rollout.sglang_pythonpath``), so Python imports this
+This folder goes on the PYTHONPATH of the SERVER process only (``rollout.sglang.pythonpath``), so Python imports this
 file at the start of the server and of each process it spawns; never on GPU, never in the trainer.
 
 ``--enable-return-routed-experts`` (MoE routing replay) keeps its routes in a host buffer allocated by

@@ -58,7 +58,7 @@ def _events(log: str) -> list[str]:
 
 @pytest.mark.timeout(900)
 def test_colocated_job_two_nodes_real_engines_per_node_sync(local_slurm, tmp_path, monkeypatch):
-    # a user's own PYTHONPATH in the environment: the servers' (rollout.sglang_pythonpath) must still reach them
+    # a user's own PYTHONPATH in the environment: the servers' (rollout.sglang.pythonpath) must still reach them
     env = dict(local_slurm.env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     monkeypatch.setattr(local_slurm, "env", env)
@@ -66,7 +66,7 @@ def test_colocated_job_two_nodes_real_engines_per_node_sync(local_slurm, tmp_pat
     _hf_init(hf)
     logs, runs = tmp_path / "logs", tmp_path / "runs"
     args = ["--recipe", "demo_cpu_sglang", *SMALL, "train.steps=2", f"train.run_dir={runs}", "train.name=colo",
-            f"model.hf_init={hf}", "cluster.placement=colocated", "rollout.colocate=true", "rollout.sglang_tp=1",
+            f"model.hf_init={hf}", "cluster.placement=colocated", "rollout.colocate=true", "rollout.sglang.tp=1",
             "parallel.tp=2", "--gpus-per-node", "1", "--ntasks-per-node", "2", "--log-dir", str(logs)]  # fmt: skip
     alloc = ["salloc", "-N2", "--exclusive", "--ntasks-per-node=2", "--gpus-per-node=1"]
     out = local_slurm.run(*alloc, *DRIVER, *args, timeout=840, check=False)

@@ -27,7 +27,7 @@ def test_the_recipe_is_dapo_on_qwen3_30b_a3b_with_replay_on():
     assert cfg.algo.eps_high == 0.28 and cfg.algo.dynamic_sampling  # the paper's DAPO settings (dapo_32b)
     p = cfg.parallel  # the layout the sbatch submits (the planner's: TP4 x PP8, no EP, full recompute, FP8)
     assert (p.tp, p.pp, p.cp, p.ep, cfg.model.recompute, cfg.model.fp8) == (4, 8, 1, 1, "full", "e4m3")
-    assert (cfg.rollout.sglang_tp, cfg.rollout.mem_fraction) == (4, 0.61)  # the largest whose start-up phase fits
+    assert (cfg.rollout.sglang.tp, cfg.rollout.mem_fraction) == (4, 0.61)  # the largest whose start-up phase fits
 
 
 @pytest.mark.timeout(120)

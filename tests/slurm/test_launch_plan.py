@@ -27,7 +27,7 @@ from tests.slurm.conftest import HERE, TEST_RECIPE_32B, free_port, process_runni
 
 R32 = str(TEST_RECIPE_32B)
 # one TP8 engine on one node; a 32B trainer on 8 GPUs is predicted not to fit, which these tests do not run
-ONE_NODE = ("parallel.cp=1", "rollout.sglang_tp=8", "cluster.memory_check=false")
+ONE_NODE = ("parallel.cp=1", "rollout.sglang.tp=8", "cluster.memory_check=false")
 NO_SLURM_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NCCL_", "GLOO_"))}
 
 
@@ -169,7 +169,7 @@ def test_disaggregated_plan():
             "rollout.colocate",
         ),
         (["parallel.tp=3"], "parallel.tp"),
-        (["rollout.sglang_tp=3"], "rollout.sglang_tp"),
+        (["rollout.sglang.tp=3"], "rollout.sglang.tp"),
         (["model.hf_init=null"], "model.hf_init"),
     ],
 )
@@ -476,8 +476,8 @@ def test_each_rank_learns_the_engine_on_its_own_gpus():
     [
         # issue 22 #3: a data-parallel server fails every weight update (SGLang asserts dp_size == 1); the quoted and
         # the bare form (once refused as "expected a string") alike
-        ('rollout.sglang_args=[--dp-size, "2"]', "rollout.sglang_args", "asserts dp_size == 1"),
-        ("rollout.sglang_args=[--dp-size, 2]", "rollout.sglang_args", "asserts dp_size == 1"),
+        ('rollout.sglang.args=[--dp-size, "2"]', "rollout.sglang.args", "asserts dp_size == 1"),
+        ("rollout.sglang.args=[--dp-size, 2]", "rollout.sglang.args", "asserts dp_size == 1"),
         # issue 22 #2: colocated servers share the trainer's GPUs: one NCCL group, two ranks on one device
         ("rollout.weight_sync=distributed", "rollout.weight_sync", "NCCL refuses two ranks"),
     ],

@@ -30,7 +30,7 @@ def plan_for(*overrides: str, env: dict | None = None, **opts):
 
 
 # one TP8 engine per node; these 32B layouts on 1-2 nodes are predicted not to fit (never run here)
-ONE_ENGINE = ("parallel.cp=1", "rollout.sglang_tp=8", "cluster.memory_check=false")
+ONE_ENGINE = ("parallel.cp=1", "rollout.sglang.tp=8", "cluster.memory_check=false")
 
 
 def test_trainer_resumes_by_default():

@@ -124,7 +124,7 @@ def test_32b_sbatch_dry_run_inside_allocation(local_slurm, tmp_path):
 
 
 # stand-in servers: one TP8 engine per node, 32B "trained" by stand-in ranks (its memory check is for real GPUs)
-ONE_ENGINE_PER_NODE = ("rollout.sglang_tp=8", "cluster.memory_check=false")
+ONE_ENGINE_PER_NODE = ("rollout.sglang.tp=8", "cluster.memory_check=false")
 
 
 def _salloc(local_slurm, *driver_args: str, gpus: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -194,7 +194,7 @@ def test_the_scripts_pass_no_layout_of_their_own(script):
     """A PARALLEL=(parallel.tp=8 ...) list in the script won over the recipe: a recipe changed to TP 4 still ran TP 8.
     The layout keys are the recipe's (what the script passes is paths, image, network)."""
     code = [line for line in (REPO / "slurm" / script).read_text().splitlines() if not line.lstrip().startswith("#")]
-    layout = re.compile(r"\b(parallel\.\w+|model\.(fp8|recompute)|rollout\.(sglang_tp|mem_fraction))=")
+    layout = re.compile(r"\b(parallel\.\w+|model\.(fp8|recompute)|rollout\.(sglang\.tp|mem_fraction))=")
     assert not [line for line in code if layout.search(line)]
     assert "PARALLEL" not in "\n".join(code)
 
@@ -301,5 +301,5 @@ def test_a_recipe_changed_to_tp4_is_the_plan_submitted(local_slurm, tmp_path):
     assert (plan["tp"], plan["pp"], plan["cp"], plan["dp"], plan["world_size"]) == (4, 2, 1, 2, 16)
     assert plan["recipe"] == str(recipe) and plan["nodes"] == ["n1", "n2"]
     trainer = plan["trainer"]["command"]
-    assert not [a for a in trainer if a.startswith(("parallel.", "model.fp8", "rollout.sglang_tp"))], trainer
+    assert not [a for a in trainer if a.startswith(("parallel.", "model.fp8", "rollout.sglang.tp"))], trainer
     assert f"model.hf_init={inputs['HF_CKPT']}" in trainer and "== check inputs" in err

@@ -53,7 +53,7 @@ def test_dotted_overrides_are_typed():
         ("rollout.sampling.max_new_tokens=100", "rollout.sampling.max_new_tokens = 100"),
         ("train.mini_batch_prompts=5", "train.mini_batch_prompts = 5: must divide"),
         ("rollout.engine=vllm", "rollout.engine = 'vllm': must be one of"),
-        ("rollout.hf_max_batch=0", "rollout.hf_max_batch = 0: must be >= 1"),
+        ("rollout.hf.max_batch=0", "rollout.hf.max_batch = 0: must be >= 1"),
         ("rollout.max_restarts_per_step=-1", "rollout.max_restarts_per_step = -1: must be >= 0"),
         ("model.arch=no-such-model", "unknown model config 'no-such-model'"),
         ("algo", "expected key=value"),
@@ -99,7 +99,7 @@ def test_architectures_load_and_validate(tmp_path):
     [
         (["data.train_files=[/data/train.parquet]"], "data.train_files", "data.synthetic = 'add2'"),
         (["train.supervised_warmup_steps=0", "train.supervised_lr=0.01"], "train.supervised_lr", "supervised_warmup"),
-        (["rollout.sglang_tp=2"], "rollout.sglang_tp", "rollout.engine = 'hf'"),
+        (["rollout.sglang.tp=2"], "rollout.sglang.tp", "rollout.engine = 'hf'"),
         (["algo.dynamic_sampling=false", "algo.gen_batch_prompts=64", "algo.max_gen_batches=3"], "algo.max_gen_batches",
          "algo.dynamic_sampling = false"),
         (["eval.greedy=true", "eval.n=8"], "eval.n", "eval.greedy = true"),
@@ -114,12 +114,12 @@ def test_an_override_the_run_would_ignore_is_an_error(overrides, culprit, becaus
 
 def test_overrides_the_run_uses_and_recipe_keys_are_accepted():
     # the same keys are fine once the setting that uses them is on (and the demo recipe itself sets
-    # supervised_* and hf_max_batch, which it uses)
+    # supervised_* and hf.max_batch, which it uses)
     cfg = load_config("demo_cpu", ["data.synthetic=none", "data.train_files=[/data/train.parquet]", "eval.n=8"])
     assert cfg.data.train_files == ["/data/train.parquet"] and cfg.eval.n == 8
     # a recipe may keep settings for another engine; switching the engine on the command line is not an error
     cfg = load_config("dapo_7b", ["rollout.engine=hf", "rollout.weight_sync=copy"])
-    assert cfg.rollout.sglang_tp >= 1
+    assert cfg.rollout.sglang.tp >= 1
 
 
 def test_parallel_sizes_that_do_not_divide_name_the_key():
@@ -138,28 +138,51 @@ def test_parallel_sizes_that_do_not_divide_name_the_key():
         check_world_divides(ParallelConfig(tp=2, pp=2), 6)
 
 
+SGLANG = ["rollout.engine=sglang", "rollout.weight_sync=tensor", "rollout.sglang.device=cpu",
+          "rollout.sglang.deterministic=false"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "overrides, culprit",
     [
-        (["rollout.sglang_env=[NOVALUE]"], "rollout.sglang_env"),
-        (["rollout.engine=sglang", "rollout.weight_sync=copy"], "rollout.weight_sync"),
-        (["rollout.sglang_device=cpu"], "rollout.sglang_deterministic"),  # torch_native has no deterministic mode
-        (["rollout.engine=sglang", "rollout.weight_sync=tensor", "rollout.sglang_pythonpath=[/no/such/dir]"],
-         "rollout.sglang_pythonpath"),
+        (["rollout.sglang.env=[NOVALUE]"], r"rollout\.sglang\.env = 'NOVALUE': entries are KEY=VALUE"),
+        (["rollout.weight_sync=copy"], r"rollout\.weight_sync = 'copy': rollout.engine = 'sglang' takes tensor"),
+        (["rollout.sglang.deterministic=true"], r"rollout\.sglang\.deterministic = True: SGLang's deterministic"),
+        (["rollout.sglang.pythonpath=[/no/such/dir]"], r"rollout\.sglang\.pythonpath = '/no/such/dir': not a dir"),
+        (["rollout.sglang.tp=0"], r"rollout\.sglang\.tp = 0: must be >= 1"),
     ],
 )  # fmt: skip
 def test_sglang_settings_are_checked(overrides, culprit):
-    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
-        load_config("demo_cpu", overrides)
+    """SGLang's own rules (engines/sglang/options.py), run by the config's validation through the registry."""
+    load_config("demo_cpu", SGLANG)
+    with pytest.raises(ConfigError, match=culprit):
+        load_config("demo_cpu", SGLANG + overrides)
+
+
+def test_an_engines_settings_on_another_engine_and_the_old_keys_are_named():
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.tp = 2 would be ignored: rollout.engine = 'hf'"):
+        load_config("demo_cpu", ["rollout.sglang.tp=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.hf\.max_batch = 8 would be ignored: rollout.engine = 'sglang'"):
+        load_config("demo_cpu", [*SGLANG, "rollout.hf.max_batch=8"])
+    for old, new in (("rollout.sglang_tp=2", "rollout.sglang.tp"), ("rollout.hf_max_batch=8", "rollout.hf.max_batch")):
+        with pytest.raises(ConfigError, match=f"command line: {old.split('=')[0]}: this key is now {new}"):
+            load_config("demo_cpu", [old])
+
+
+def test_a_recipe_with_an_old_key_is_told_where_it_went(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("base: demo_cpu_sglang\nrollout: {sglang_device: cpu}\n")
+    with pytest.raises(ConfigError, match=r"old.yaml: rollout.sglang_device: this key is now rollout.sglang.device"):
+        load_config(path)
 
 
 def test_a_recipe_can_start_from_another(tmp_path):
-    path = _recipe(tmp_path, "base: demo_cpu\nrollout: {engine: hf, hf_max_batch: 7}\ntrain: {name: child}\n")
+    path = _recipe(tmp_path, "base: demo_cpu\nrollout: {engine: hf, hf: {max_batch: 7}}\ntrain: {name: child}\n")
     c, base = load_config(path), load_config("demo_cpu")
-    assert c.rollout.hf_max_batch == 7 and c.train.name == "child"
+    assert c.rollout.hf.max_batch == 7 and c.train.name == "child"
     assert c.rollout.sampling == base.rollout.sampling and c.train.steps == base.train.steps  # merged per key
     s = load_config("demo_cpu_sglang")
-    assert (s.rollout.engine, s.rollout.sglang_device, s.rollout.dtype) == ("sglang", "cpu", "bf16")
+    assert (s.rollout.engine, s.rollout.sglang.device, s.rollout.dtype) == ("sglang", "cpu", "bf16")
     assert s.algo == base.algo and s.train.steps == base.train.steps and s.model == base.model
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
@@ -188,19 +211,19 @@ def test_colocated_distributed_sync_is_refused_naming_the_keys_and_the_alternati
 @pytest.mark.parametrize("args", [["--dp-size", 2], ["--dp-size", "2"], ["--dp=4"], ["--data-parallel-size", "2"],
                                   ["--dp-s", "2"], ["--max-total-tokens", 8192, "--dp", 2]])  # fmt: skip
 def test_data_parallel_sglang_args_are_refused(args):
-    with pytest.raises(ConfigError, match=r"rollout\.sglang_args = .*: --d.* every weight update of SGLang asserts "
+    with pytest.raises(ConfigError, match=r"rollout\.sglang.args = .*: --d.* every weight update of SGLang asserts "
                        r"dp_size == 1 \(tokenizer_control_mixin\.py\)"):  # fmt: skip
-        load_config("demo_cpu_sglang", [f"rollout.sglang_args={args}".replace("'", "")])
+        load_config("demo_cpu_sglang", [f"rollout.sglang.args={args}".replace("'", "")])
 
 
 def test_sglang_args_take_bare_numbers_as_written():
-    # [--dp-size, 2] used to be refused as "rollout.sglang_args[1] = 2: expected a string"
-    cfg = load_config("demo_cpu_sglang", ["rollout.sglang_args=[--max-total-tokens, 8192, --dp-size, 1, --x, 0.5]"])
-    assert cfg.rollout.sglang_args == ["--max-total-tokens", "8192", "--dp-size", "1", "--x", "0.5"]
+    # [--dp-size, 2] used to be refused as "rollout.sglang.args[1] = 2: expected a string"
+    cfg = load_config("demo_cpu_sglang", ["rollout.sglang.args=[--max-total-tokens, 8192, --dp-size, 1, --x, 0.5]"])
+    assert cfg.rollout.sglang.args == ["--max-total-tokens", "8192", "--dp-size", "1", "--x", "0.5"]
     for ok in (["--attn-dp-size", "2"], ["--dp-size", "1"], ["--dtype", "bfloat16"]):
-        load_config("demo_cpu_sglang", [f"rollout.sglang_args=[{', '.join(ok)}]"])
-    with pytest.raises(ConfigError, match=r"rollout\.sglang_args\[0\] = True: expected a string"):
-        load_config("demo_cpu_sglang", ["rollout.sglang_args=[true]"])
+        load_config("demo_cpu_sglang", [f"rollout.sglang.args=[{', '.join(ok)}]"])
+    with pytest.raises(ConfigError, match=r"rollout\.sglang.args\[0\] = True: expected a string"):
+        load_config("demo_cpu_sglang", ["rollout.sglang.args=[true]"])
 
 
 def test_the_control_plane_outwaits_the_server_start():

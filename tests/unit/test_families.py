@@ -34,6 +34,8 @@ def test_a_family_is_named_only_in_its_own_file_and_the_registry():
         for family in BUILTIN:
             if rel in (f"models/{family}.py", "models/registry.py"):
                 continue
+            if rel.startswith("engines/") and rel.endswith("/limits.py"):
+                continue  # what an engine cannot serve of a family is the engine's knowledge (its own model support)
             if lines := mentions(path.read_text(), family):
                 found[f"{rel} ({family})"] = lines[:3]
     assert found == {}

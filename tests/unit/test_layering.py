@@ -19,11 +19,19 @@ LAYERS = [
 ]
 
 
+# Modules whose layer is not their package's: an engine's config block and the registry of engines are config (the
+# config builds RolloutConfig from them, so that no config module names an engine); they import config's typing only
+# (and the packages' empty __init__ files, which any import of them runs)
+CONFIG_LEVEL = ("engines", "engines.sglang", "engines.registry", "engines.hf_options", "engines.sglang.options")
+
+
 def layer_of(module: str) -> int | None:
     """The layer of ``megatron_dapo.<head>...``; None for the package itself; KeyError for an undeclared head."""
     name = module.removeprefix("megatron_dapo").lstrip(".")
     if not name:
         return None
+    if name in CONFIG_LEVEL:
+        return 1
     head = name.split(".")[0]
     for i, group in enumerate(LAYERS):
         if head in group:
@@ -60,3 +68,13 @@ def test_a_planted_upward_import_is_caught():
     graph = import_graph()
     graph["megatron_dapo.algo.loss"] = graph["megatron_dapo.algo.loss"] | {"megatron_dapo.loop.trainer"}
     assert upward_imports(graph) == ["megatron_dapo.algo.loss (layer 3) imports megatron_dapo.loop.trainer (layer 5)"]
+
+
+def test_the_config_level_engine_modules_stay_config_level():
+    """What CONFIG_LEVEL lifts holds no more than config: the packages' __init__ files are empty."""
+    from tests.helpers import REPO
+
+    for module in CONFIG_LEVEL:
+        path = REPO / "megatron_dapo" / module.replace(".", "/")
+        if path.is_dir():
+            assert (path / "__init__.py").read_text().strip() == "", f"{module}/__init__.py must stay empty"

@@ -29,7 +29,7 @@ def test_disaggregated_engines_on_the_rollout_nodes_over_nccl():
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(rollout_tp=3), "rollout.sglang_tp = 3: must divide cluster.gpus_per_node"),
+        (dict(rollout_tp=3), "rollout.sglang.tp = 3: must divide cluster.gpus_per_node"),
         (dict(tp=8, pp=3), "parallel.tp × pp × cp = 8×3×1: must divide the 16 training GPUs"),
         (dict(colocated=False, rollout_nodes=2), "cluster.rollout_nodes = 2"),
     ],

@@ -273,11 +273,12 @@ def test_layout_phases_term_by_term():
     """A chosen layout (dapo_32b on 16 nodes): the rollout phase holds the trainer's weights (grads and optimizer on
     the host) + SGLang's own terms (mem_fraction of the memory free when it starts, and outside it); the train phase
     the trainer's peak + a released engine; `explain` shows both."""
-    from megatron_dapo.engines.sglang.memory import CUDA_CONTEXT_BYTES, gpu_total_gib
+    from megatron_dapo.engines.sglang.memory import CUDA_CONTEXT_BYTES
+    from megatron_dapo.models.gpus import gpu_total_gib
     from megatron_dapo.planning.planner import evaluate_layout
 
     p = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
-                        sglang_tp=4, rollout_mem_fraction=0.60)  # fmt: skip
+                        engine_tp=4, rollout_mem_fraction=0.60)  # fmt: skip
     train, rollout, startup = p.phases
     assert (train.phase, rollout.phase, startup.phase) == ("train", "rollout", "startup") and p.feasible
     t, r = dict((k, v) for k, v, _ in train.rows), dict((k, v) for k, v, _ in rollout.rows)
@@ -293,7 +294,7 @@ def test_layout_phases_term_by_term():
     assert "rollout phase, per GPU (GiB):" in text and "offloaded to the host" in text and "train phase" in text
     # without the distributed optimizer, keeping the train state on the GPU during rollout no longer fits
     kept = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
-                           sglang_tp=4, rollout_mem_fraction=0.60, offload_train_state=False,
+                           engine_tp=4, rollout_mem_fraction=0.60, offload_train_state=False,
                            distributed_optimizer=False)  # fmt: skip
     assert not kept.phases[1].fits and any(reason.startswith("rollout phase:") for reason in kept.reasons)
 
@@ -303,12 +304,13 @@ def test_startup_peak_is_modelled_and_refused():
     the DDP grad buffers, the optimizer states a resumed run loaded) beside SGLang's whole mem_fraction and what it
     holds outside it (CUDA graphs, request table, runtime). The 32B layout with FP8 at mem_fraction 0.66 does not fit
     this phase (77.7 of 76 GiB was the issue's finding); the shipped mem_fraction fits all three."""
-    from megatron_dapo.engines.sglang.memory import CUDA_CONTEXT_BYTES, gpu_total_gib
+    from megatron_dapo.engines.sglang.memory import CUDA_CONTEXT_BYTES
+    from megatron_dapo.models.gpus import gpu_total_gib
     from megatron_dapo.planning.planner import evaluate_layout
 
     def layout(fraction):
         return evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
-                               sglang_tp=4, rollout_mem_fraction=fraction, fp8=True)  # fmt: skip
+                               engine_tp=4, rollout_mem_fraction=fraction, fp8=True)  # fmt: skip
 
     p = layout(0.66)
     train, rollout, startup = p.phases
@@ -324,7 +326,7 @@ def test_startup_peak_is_modelled_and_refused():
     assert all(ph.fits for ph in layout(shipped).phases), [ph.explain() for ph in layout(shipped).phases]
     # unset, the share an engine gets is what the trainer leaves at start-up: all three phases fit
     chosen = evaluate_layout("qwen2.5-32b", 2048, 20480, 16, 8, 80, tp=8, pp=2, cp=1, micro_batch_tokens=22528,
-                             sglang_tp=4, fp8=True)  # fmt: skip
+                             engine_tp=4, fp8=True)  # fmt: skip
     assert chosen.feasible and all(ph.fits for ph in chosen.phases)
 
 
@@ -341,7 +343,7 @@ def test_moe_layouts_fit_where_the_recipes_say_and_the_experts_are_sharded_over_
     assert any(p.cp > 1 for p in plan("qwen3-30b-a3b", 2048, 20480, 2, 8, 80, routing_replay=False))
     big = choose(plan("qwen3-235b-a22b", 2048, 20480, 32, 8, 80, colocated=False, rollout_nodes=8,
                       rollout_mem_fraction=0.9))  # fmt: skip
-    assert big.ep > 1 and big.rollout.sglang_tp == 8 and big.memory_gib < 76
+    assert big.ep > 1 and big.rollout.engine_tp == 8 and big.memory_gib < 76
     with pytest.raises(NoFeasiblePlan):
         choose(plan("qwen3-235b-a22b", 2048, 20480, 16, 8, 80, colocated=False, rollout_mem_fraction=0.9))
     # EP 2 at DP 2: the dense weights' Adam states over DP, the experts' over DP / EP = 1

@@ -82,7 +82,7 @@ def test_dapo_launch_refuses_before_any_job_step(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(preflight, "probe", lambda needs=None: CPU)  # this machine (its sglang import: 15 s)
 
     calls = fake_allocation_srun(tmp_path, monkeypatch)
-    small = ["model.hf_init=/m", "parallel.tp=4", "rollout.sglang_tp=8", "cluster.memory_check=false"]
+    small = ["model.hf_init=/m", "parallel.tp=4", "rollout.sglang.tp=8", "cluster.memory_check=false"]
     rc = main(["--recipe", "dapo_7b", "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, *small])
     err = capsys.readouterr().err
     assert rc == 2 and "dapo launch: preflight" in err and "is a CPU build" in err, err

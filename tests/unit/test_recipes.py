@@ -23,7 +23,7 @@ def test_grpo_cpu_is_demo_cpu_as_naive_grpo():
         # how it is computed, not what: no refill rounds without dynamic sampling, so fewer prompts per generation
         "algo.gen_batch_prompts": (96, 64),
         "parallel.max_tokens_per_micro_batch": (None, 512),
-        "rollout.hf_max_batch": (512, 128),
+        "rollout.hf.max_batch": (512, 128),
         "train.name": ("demo_cpu", "grpo_cpu"),
     }
     assert grpo["algo.eps_low"] == grpo["algo.eps_high"] == 0.2

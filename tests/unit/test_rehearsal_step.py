@@ -22,10 +22,10 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.timeout(600)
 ARCH = str(REPO / "tests/data/rehearsal/qwen2.5-0.5b-4layers.yaml")
 # the 32B recipe's lengths (a 2,048-token prompt and a 20,480-token response fill each micro-batch), small shapes
-SMALL = [f"model.arch={ARCH}", "parallel.tp=2", "parallel.pp=2", "rollout.sglang_tp=1", "cluster.nodes=1"]
+SMALL = [f"model.arch={ARCH}", "parallel.tp=2", "parallel.pp=2", "rollout.sglang.tp=1", "cluster.nodes=1"]
 MOE_ARCH = str(REPO / "tests/data/rehearsal/qwen3-30b-a3b-4layers-16experts.yaml")
 # the MoE recipe as it is (full recompute, routing replay, aux loss, 22,528-token micro-batches) on small shapes
-SMALL_MOE = [f"model.arch={MOE_ARCH}", "parallel.tp=2", "parallel.pp=2", "rollout.sglang_tp=1", "cluster.nodes=1"]
+SMALL_MOE = [f"model.arch={MOE_ARCH}", "parallel.tp=2", "parallel.pp=2", "rollout.sglang.tp=1", "cluster.nodes=1"]
 
 
 def _rehearse():

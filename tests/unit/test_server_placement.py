@@ -72,8 +72,8 @@ def test_colocated_slurm_servers_release_their_cuda_graphs():
     for s in plan.servers:
         assert "--enable-memory-saver" not in s.command and GRAPHS not in _task_env(s.srun)
         assert PREFILL_GRAPHS_OFF not in s.command
-    # rollout.sglang_env still has the last word
-    plan = _plan(f"rollout.sglang_env=[{GRAPHS}=0]")
+    # rollout.sglang.env still has the last word
+    plan = _plan(f"rollout.sglang.env=[{GRAPHS}=0]")
     assert {_task_env(s.srun)[GRAPHS] for s in plan.servers} == {"0"}
 
 
@@ -101,7 +101,7 @@ def test_the_trainers_own_colocated_server_releases_its_cuda_graphs(tmp_path, mo
         server.stop()
     assert "graphs=1" in server.log_path.read_text()
     # not colocated (servers on other GPUs) and CPU servers: no memory saver, no variable
-    cpu = _local_server("rollout.sglang_device=cpu", "rollout.sglang_deterministic=false", "rollout.colocate=false")
+    cpu = _local_server("rollout.sglang.device=cpu", "rollout.sglang.deterministic=false", "rollout.colocate=false")
     assert "--enable-memory-saver" not in cpu.argv() and GRAPHS not in cpu.env
 
 
@@ -122,8 +122,8 @@ def test_an_uncolocated_gpu_server_the_trainer_would_start_itself_is_refused(ext
                             "cluster.placement=disaggregated", "cluster.rollout_nodes=1"])  # fmt: skip
     load_config("demo_cpu_sglang", ["rollout.colocate=false", *extra])
     # a server the user points at other GPUs: one node's async with the trainer on GPUs 0-3 and SGLang on 4-7
-    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang_args=[--base-gpu-id,4]"])
-    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang_env=[CUDA_VISIBLE_DEVICES=4]"])
+    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang.args=[--base-gpu-id,4]"])
+    load_config("dapo_7b", ["model.hf_init=/m", *UNCOLOCATED, *extra, "rollout.sglang.env=[CUDA_VISIBLE_DEVICES=4]"])
     if not extra:
         load_config("dapo_7b", ["model.hf_init=/m", "rollout.colocate=true", "rollout.weight_sync=tensor"])
 
@@ -148,7 +148,7 @@ def test_rollout_dtype_auto_is_bf16_only_where_bf16_is_fast(monkeypatch):
 
     assert not srv.cpu_has_bf16_units(AVX2_ONLY) and srv.cpu_has_bf16_units(SAPPHIRE)
     assert not srv.cpu_has_bf16_units("flags\t\t: avx512f\nbugs\t\t: amx_bf16\n")  # only the flags line counts
-    cpu = ("rollout.sglang_device=cpu", "rollout.sglang_deterministic=false", "rollout.colocate=false")
+    cpu = ("rollout.sglang.device=cpu", "rollout.sglang.deterministic=false", "rollout.colocate=false")
     for info, want in ((AVX2_ONLY, "float32"), (SAPPHIRE, "bfloat16")):
         monkeypatch.setattr(srv, "cpu_has_bf16_units", lambda info=info: srv.BF16_CPU_FLAGS[0] in info)
         server = _local_server(*cpu, "rollout.dtype=auto")

@@ -16,12 +16,13 @@ import pytest
 
 from megatron_dapo.engines.sglang import memory as sm
 from megatron_dapo.engines.sglang.memory import GiB, MiB
+from megatron_dapo.models import gpus
 from megatron_dapo.models.arch import load_arch
 from megatron_dapo.models.hf_config import hf_from_arch
 from tests.helpers import REPO, skip_unless_required
 
-H100 = sm.GPU_MEMORY_MIB["h100-80gb"]
-H200 = sm.GPU_MEMORY_MIB["h200-141gb"]
+H100 = gpus.GPU_MEMORY_MIB["h100-80gb"]
+H200 = gpus.GPU_MEMORY_MIB["h200-141gb"]
 QWEN32 = load_arch("qwen2.5-32b")
 
 
@@ -31,18 +32,18 @@ QWEN32 = load_arch("qwen2.5-32b")
 
 def test_gpu_memory_of_a_kind():
     """An "80 GB" H100 exposes 81,559 MiB = 85,520,809,984 B = 79.65 GiB, not 80; the planner's GiB come from here."""
-    assert sm.gpu_total_bytes("h100-80gb") == 85_520_809_984
-    assert sm.gpu_total_gib(80) == pytest.approx(79.647, abs=1e-3)
-    assert sm.gpu_total_gib(141) == pytest.approx(140.401, abs=1e-3)
-    assert sm.gpu_total_gib(48) == 48.0 and sm.gpu_total_gib(79.5) == 79.5  # unknown sizes: as given
+    assert gpus.gpu_total_bytes("h100-80gb") == 85_520_809_984
+    assert gpus.gpu_total_gib(80) == pytest.approx(79.647, abs=1e-3)
+    assert gpus.gpu_total_gib(141) == pytest.approx(140.401, abs=1e-3)
+    assert gpus.gpu_total_gib(48) == 48.0 and gpus.gpu_total_gib(79.5) == 79.5  # unknown sizes: as given
     with pytest.raises(KeyError, match="h100-80gb"):
-        sm.gpu_total_bytes("h100")
+        gpus.gpu_total_bytes("h100")
 
 
 def test_32b_recipe_terms():
     """dapo_32b: Qwen2.5-32B, SGLang TP4, mem_fraction 0.62 on an H100, SGLang's defaults for the rest (8k prefill
     chunk, cuda_graph_max_bs 512, no prefill graphs with the memory saver). Per GPU at start-up."""
-    s = sm.sglang_arch_terms(QWEN32, 4, sm.gpu_total_bytes("h100-80gb"), 0.62)
+    s = sm.sglang_arch_terms(QWEN32, 4, gpus.gpu_total_bytes("h100-80gb"), 0.62)
     assert (s.chunked_prefill_size, s.cuda_graph_max_bs, s.prefill_graph_tokens) == (8192, 512, 0)
     assert s.weights == pytest.approx(2 * 32_763_876_352 / 4)  # 15.26 GiB
     cell = 2 * 2 * 128 * 64 * 2  # 2 of the 8 KV heads, K and V, 64 layers, bf16
@@ -56,12 +57,12 @@ def test_32b_recipe_terms():
     assert s.startup == pytest.approx(sum(v for k, v in s.terms.items() if k != "activations"))
     assert s.startup / GiB == pytest.approx(52.63, abs=0.01) and s.rollout == s.startup + s.activations
     # mem_fraction applies to the memory free at start: a trainer already resident leaves the server less
-    later = sm.sglang_arch_terms(QWEN32, 4, sm.gpu_total_bytes("h100-80gb"), 0.62, free_at_start=60 * GiB)
+    later = sm.sglang_arch_terms(QWEN32, 4, gpus.gpu_total_bytes("h100-80gb"), 0.62, free_at_start=60 * GiB)
     assert later.weights + later.kv_cache == pytest.approx(0.62 * 60 * GiB, abs=cell)
 
 
 def test_terms_follow_the_settings():
-    g = sm.gpu_total_bytes("h100-80gb")
+    g = gpus.gpu_total_bytes("h100-80gb")
     base = sm.sglang_arch_terms(QWEN32, 4, g, 0.62)
     assert sm.sglang_arch_terms(QWEN32, 4, g, 0.62, prefill_cuda_graph=True).cuda_graphs == (1024 + 58 * 8) * MiB
     assert sm.sglang_arch_terms(QWEN32, 4, g, 0.62, cuda_graph_max_bs=128).cuda_graphs == 256 * MiB
@@ -79,7 +80,7 @@ def test_terms_follow_the_settings():
 def test_fit_mem_fraction():
     """The largest mem_fraction whose server fits the room each phase leaves it (what the planner asks when
     rollout.mem_fraction is unset)."""
-    g = sm.gpu_total_bytes("h100-80gb")
+    g = gpus.gpu_total_bytes("h100-80gb")
     s62 = sm.sglang_arch_terms(QWEN32, 4, g, 0.62)
     assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup, s62.rollout) == 0.62
     assert sm.fit_mem_fraction(QWEN32, 4, g, s62.startup - 1, s62.rollout) == 0.61
@@ -90,20 +91,21 @@ def test_fit_mem_fraction():
 
 
 def test_phases_take_sglang_terms():
-    """models.memory's rollout and start-up phases: with ``r.sglang`` (what the planner attaches) the engine's rows
+    """models.memory's rollout and start-up phases: with ``r.engine_terms`` (what the planner attaches) the engine's rows
     are its own terms and "overhead" is the trainer's; without, the rows the planner has always had."""
     from types import SimpleNamespace as NS
 
     from megatron_dapo.models.memory import rollout_phase, startup_phase
 
-    sg = sm.sglang_arch_terms(QWEN32, 4, sm.gpu_total_bytes("h100-80gb"), 0.62)
+    sg = sm.sglang_arch_terms(QWEN32, 4, gpus.gpu_total_bytes("h100-80gb"), 0.62)
     m = NS(weights=7 * GiB, fp8_cache=0.5 * GiB, grads=7.5 * GiB, optimizer=3 * GiB, stage=1)
     o = NS(offload_train_state=True, overhead_gb=5.0, cuda_graph_gb=2.0)
-    r = NS(sglang_tp=4, share=sg.weights + sg.kv_cache, mem_fraction=0.62, weights=sg.weights, kv_tokens=sg.kv_tokens)
-    usable = 0.95 * sm.gpu_total_bytes("h100-80gb")
+    r = NS(engine_tp=4, share=sg.weights + sg.kv_cache, mem_fraction=0.62, weights=sg.weights, kv_tokens=sg.kv_tokens,
+           engine_terms=None)  # fmt: skip
+    usable = 0.95 * gpus.gpu_total_bytes("h100-80gb")
     old = startup_phase(m, r, o, usable, 8)
     assert [k for k, _, _ in old.rows][-3:] == ["SGLang weights + KV", "SGLang CUDA graphs", "overhead"]
-    r.sglang = sg
+    r.engine_terms = sg
     start, gen = startup_phase(m, r, o, usable, 8), rollout_phase(m, r, o, usable)
     assert start.total == pytest.approx(18 * GiB + sg.startup + 5 * GiB)
     assert gen.total == pytest.approx(7.5 * GiB + sg.rollout + 5 * GiB)
@@ -152,7 +154,7 @@ def sglang_answers(sglang_dir, tmp_path_factory) -> dict:
     """One child process (~20 s: importing sglang) answers every case."""
     model_dir = tmp_path_factory.mktemp("qwen2.5-32b")
     (model_dir / "config.json").write_text(json.dumps(hf_from_arch(QWEN32, "bfloat16")))
-    g = sm.gpu_total_bytes("h100-80gb")
+    g = gpus.gpu_total_bytes("h100-80gb")
     kv = []
     for arch, tp, mf in KV_CASES:
         weights = sm.sglang_arch_terms(arch, tp, g, mf).weights

@@ -181,5 +181,5 @@ def test_factory_follows_config(engine, tmp_path):
             make_weight_sync(cfg, engine)  # the SGLang transport checks what it is given
         cfg.rollout.engine = "hf"
     cfg.rollout.weight_sync = "copy"
-    with pytest.raises(WeightSyncError, match="needs the in-process hf engine"):
+    with pytest.raises(WeightSyncError, match=r"needs an in-process engine \(one with state_tensor\), not object"):
         make_weight_sync(cfg, object())

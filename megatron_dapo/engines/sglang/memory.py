@@ -30,7 +30,7 @@ then the attention backends and the CUDA graphs):
    dense models of Qwen2.5's size.
 
 Not in SGLang's code: the CUDA context (``CUDA_CONTEXT_BYTES``) and how much memory a GPU kind really has
-(``GPU_MEMORY_MIB``): an "80 GB" H100 has 81,559 MiB = 79.65 GiB.
+(``models.gpus.GPU_MEMORY_MIB``): an "80 GB" H100 has 81,559 MiB = 79.65 GiB.
 """
 
 from __future__ import annotations
@@ -38,16 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB, MiB = 1 << 30, 1 << 20
-
-# What nvidia-smi's memory.total reports (MiB), = torch.cuda.get_device_properties(i).total_memory / 2**20; SGLang's
-# heuristics read this very number (get_nvgpu_memory_capacity, srt/utils/common.py:802-832: the MIN over the GPUs).
-# Not vendor-documented: the value commonly reported by public nvidia-smi logs (H100 80GB HBM3: 81559 MiB =
-# 85,520,809,984 B; H200: 143771 MiB; A100-SXM4-80GB: 81920 MiB). The nominal "80 GB" is 80e9 B or so, less what the
-# driver keeps (ECC, reserved).
-GPU_MEMORY_MIB = {"h100-80gb": 81559, "h200-141gb": 143771, "a100-80gb": 81920}
-GPU_MEMORY_GIB = {kind: mib / 1024 for kind, mib in GPU_MEMORY_MIB.items()}  # h100-80gb: 79.65
-# nominal GB (what a datasheet or a config says) -> kind; 80 GB is read as an H100 (the smaller of H100 and A100)
-NOMINAL_KIND = {80: "h100-80gb", 141: "h200-141gb"}
 
 # The CUDA context of the server's process (driver state and the kernels loaded), outside torch's allocator and
 # outside ``pre``. Not from SGLang's code: ~400 MB with CUDA >= 11.7 and lazy module loading (PyTorch's default), as
@@ -62,20 +52,6 @@ DECODE_GRAPH_MB_PER_BS = 2  # :368
 PREFILL_GRAPH_MB_PER_SIZE = 8  # :386 (non-MLA; "only non-torch memory is counted")
 RESERVE_FLOOR_MB = 10 * 1024  # :314-315, GPUs over 60 GiB, when SGLang picks mem_fraction itself
 REQ_TO_TOKEN_EXTRA = 4  # srt/mem_cache/allocation_sizing.py:105 (no speculative decoding)
-
-
-def gpu_total_bytes(kind: str) -> int:
-    """Bytes a GPU kind exposes (``GPU_MEMORY_MIB``); KeyError names the known kinds."""
-    if kind not in GPU_MEMORY_MIB:
-        raise KeyError(f"GPU kind {kind!r}: known are {', '.join(GPU_MEMORY_MIB)}")
-    return GPU_MEMORY_MIB[kind] * MiB
-
-
-def gpu_total_gib(nominal_gb: float) -> float:
-    """The GiB a GPU sold as ``nominal_gb`` GB exposes (80 -> 79.65, an H100; 141 -> 140.40, an H200); a nominal size
-    not in ``NOMINAL_KIND`` is returned as it is (taken to be GiB already)."""
-    kind = NOMINAL_KIND.get(int(nominal_gb)) if float(nominal_gb).is_integer() else None
-    return GPU_MEMORY_GIB[kind] if kind else float(nominal_gb)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -267,6 +243,28 @@ class SGLangMemory:
     def outside_mem_fraction(self) -> float:
         """What the server takes beyond ``mem_fraction × free memory at start`` during generation."""
         return self.rollout - self.weights - self.kv_cache
+
+    def rows(self, tp: int, phase: str) -> list[tuple[str, float, str]]:
+        """The rows of a phase's memory table (``models.memory``): start-up holds the weights, KV pool, request
+        table, CUDA graphs and runtime state; generation (``rollout``) adds the activations of a prefill chunk."""
+        runtime = self.context + self.metadata + self.parallel
+        pool = f"mem_fraction {self.mem_fraction:.2f} × the memory free at server start"
+        rows = [("SGLang weights", self.weights, f"the whole model (bf16) / TP{tp}"),
+                ("SGLang KV cache", self.kv_cache, f"{pool} − weights: {self.kv_tokens:,} tokens/engine")]  # fmt: skip
+        if phase == "startup":
+            rows = [
+                ("SGLang weights + KV", self.weights + self.kv_cache, f"{pool}: {self.kv_tokens:,} KV tokens/engine")
+            ]
+        rows += [
+            ("SGLang request table", self.req_to_token,
+             f"int32 [{self.max_running_requests:,} requests + 1, context + 4]"),
+            ("SGLang CUDA graphs", self.cuda_graphs, f"SGLang's estimate for cuda_graph_max_bs {self.cuda_graph_max_bs}"),
+            ("SGLang runtime", runtime, "its CUDA context, attention metadata, parallel groups"),
+        ]  # fmt: skip
+        if phase == "rollout":
+            rows.append(("SGLang activations", self.activations,
+                         f"SGLang's reserve for a {self.chunked_prefill_size:,}-token chunk"))  # fmt: skip
+        return rows
 
 
 def sglang_gpu_terms(

@@ -81,7 +81,7 @@ PLATFORMS = {
         memory_saver_args=("--disable-prefill-cuda-graph",),
     ),
     # The real SGLang 0.5.23 on a CPU (tests, demo_cpu_sglang). The server process also needs two import-only stand-ins
-    # on its PYTHONPATH (rollout.sglang_pythonpath; see tests/sglang_cpu_support).
+    # on its PYTHONPATH (rollout.sglang.pythonpath; see tests/sglang_cpu_support).
     "cpu": Platform(
         "cpu",
         (
@@ -341,7 +341,7 @@ TORCH_LAUNCH_VARS = frozenset(
 
 
 def server_env(device: str, memory_saver: bool) -> dict[str, str]:
-    """The variables every server gets (before ``rollout.sglang_env``): T=1 logprobs (the engine's convention), the
+    """The variables every server gets (before ``rollout.sglang.env``): T=1 logprobs (the engine's convention), the
     platform's, and with ``--enable-memory-saver`` the platform's memory-saver ones; the Slurm launcher uses the same."""
     platform = PLATFORMS[device]
     saver = platform.memory_saver_env if memory_saver else ()
@@ -349,7 +349,7 @@ def server_env(device: str, memory_saver: bool) -> dict[str, str]:
 
 
 def server_pythonpath(paths: Sequence[str | Path]) -> str:
-    """A server's PYTHONPATH (``rollout.sglang_pythonpath``): ``paths`` made absolute, ahead of the inherited one; the
+    """A server's PYTHONPATH (``rollout.sglang.pythonpath``): ``paths`` made absolute, ahead of the inherited one; the
     same for servers this process starts and those the Slurm launcher starts."""
     parts = [str(Path(p).resolve()) for p in paths] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     return os.pathsep.join(parts)
@@ -369,11 +369,11 @@ def cpu_has_bf16_units(cpuinfo: str | None = None) -> bool:
 
 
 def tp_from_config(cfg) -> int:
-    return cfg.rollout.sglang_tp
+    return cfg.rollout.sglang.tp
 
 
 def device_from_config(cfg) -> str:
-    return cfg.rollout.sglang_device
+    return cfg.rollout.sglang.device
 
 
 def server_dtype(cfg) -> str:
@@ -384,7 +384,7 @@ def server_dtype(cfg) -> str:
     dtype = r.dtype or cfg.model.dtype
     if dtype != "auto":
         return dtype
-    return "bf16" if r.sglang_device == "cuda" or cpu_has_bf16_units() else "fp32"
+    return "bf16" if r.sglang.device == "cuda" or cpu_has_bf16_units() else "fp32"
 
 
 def server_args(cfg) -> list[str]:
@@ -392,7 +392,7 @@ def server_args(cfg) -> list[str]:
     launcher uses the same list."""
     r = cfg.rollout
     args = ["--random-seed", str(cfg.train.seed)]
-    if r.sglang_deterministic:  # sampling_seed is ignored without it (GPU attention backends only)
+    if r.sglang.deterministic:  # sampling_seed is ignored without it (GPU attention backends only)
         args.append("--enable-deterministic-inference")
     from megatron_dapo.data.tokenizer import is_char_tokenizer
 
@@ -401,16 +401,15 @@ def server_args(cfg) -> list[str]:
     elif cfg.model.tokenizer:
         args += ["--tokenizer-path", cfg.model.tokenizer]
     from megatron_dapo.config.typed_yaml import ConfigError
+    from megatron_dapo.engines.sglang.limits import cannot_serve
     from megatron_dapo.models.arch import load_arch, routes_wanted
-    from megatron_dapo.models.registry import family_named
 
     arch = load_arch(cfg.model.arch)
-    limits = family_named(arch.family).sglang_limits
-    if limits is not None and (why := limits(arch)):
+    if why := cannot_serve(arch):
         raise ConfigError(f"model.arch = {cfg.model.arch!r} with rollout.engine = sglang: {why}")
     if routes_wanted(r.routing_replay, arch):  # each response's routed experts: the actor replays or compares them
         args.append("--enable-return-routed-experts")
-    return args + lora_server_args(cfg, arch) + list(r.sglang_args)
+    return args + lora_server_args(cfg, arch) + list(r.sglang.args)
 
 
 def lora_server_args(cfg, arch) -> list[str]:
@@ -427,7 +426,7 @@ def lora_server_args(cfg, arch) -> list[str]:
     modules = peft_config(arch, lora)["target_modules"]
     args = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "3",
             "--lora-target-modules", *modules]  # fmt: skip
-    if cfg.rollout.sglang_device == "cpu":
+    if cfg.rollout.sglang.device == "cpu":
         args += ["--lora-backend", "torch_native"]
     return args
 
@@ -435,8 +434,8 @@ def lora_server_args(cfg, arch) -> list[str]:
 def _refuse_data_parallel(args: Sequence[str]) -> None:
     """SGLang's weight-update endpoints assert ``dp_size == 1`` (sglang/srt/managers/tokenizer_control_mixin.py): a
     server with ``--dp-size > 1`` would fail every sync. The check config validation runs for ``dapo launch``'s servers
-    (``config.sglang_data_parallel``); start one server per rollout TP group instead."""
-    from megatron_dapo.config.validate import sglang_data_parallel
+    (``engines.sglang.options.sglang_data_parallel``); start one server per rollout TP group instead."""
+    from megatron_dapo.engines.sglang.options import sglang_data_parallel
 
     flag = sglang_data_parallel(list(args))
     if flag:
@@ -463,18 +462,18 @@ def servers_from_config(cfg, model_path, log_dir=None, server_urls=None) -> list
     urls = list(r.server_urls if server_urls is None else server_urls)
     if urls:
         logs = json.loads(os.environ.get("DAPO_SERVER_LOGS") or "{}")  # dapo launch: each server's log file
-        return [SGLangServer.attach(u, tp_size=r.sglang_tp, device=r.sglang_device, log_path=logs.get(u)) for u in urls]
+        return [SGLangServer.attach(u, tp_size=r.sglang.tp, device=r.sglang.device, log_path=logs.get(u)) for u in urls]
     return [
         SGLangServer(
             model_path,
-            tp_size=r.sglang_tp,
+            tp_size=r.sglang.tp,
             mem_fraction=r.mem_fraction,
-            memory_saver=r.colocate and r.sglang_device == "cuda",  # torch_memory_saver: CUDA only
+            memory_saver=r.colocate and r.sglang.device == "cuda",  # torch_memory_saver: CUDA only
             dtype=server_dtype(cfg),
             extra_args=server_args(cfg),
-            env=dict(kv.split("=", 1) for kv in r.sglang_env),
+            env=dict(kv.split("=", 1) for kv in r.sglang.env),
             log_path=Path(log_dir) / "sglang_server.log" if log_dir else None,
-            device=r.sglang_device,
-            pythonpath=r.sglang_pythonpath,
+            device=r.sglang.device,
+            pythonpath=r.sglang.pythonpath,
         )
     ]

@@ -3,7 +3,7 @@
 PyPI's sglang-kernel / sgl-kernel wheels are CUDA-only builds (no CPU ``common_ops``; importing them fails on
 ``libcuda.so.1``). SGLang's CPU path (``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1``, torch_native attention) does
 not call sgl_kernel for a dense model on a CPU without AMX, but imports these names at start-up. This folder goes on
-the PYTHONPATH of the SERVER process only (``rollout.sglang_pythonpath``); never on GPU, never in the trainer.
+the PYTHONPATH of the SERVER process only (``rollout.sglang.pythonpath``); never on GPU, never in the trainer.
 
 One name is called and implemented here in torch; every other one raises NotImplementedError when called.
 """

@@ -9,7 +9,7 @@ server imports it at start-up, through:
     a ``torchvision`` package (transformers/image_utils.py, image_processing_utils.py, image_processing_backends.py,
     video_processing_utils.py).
 Nothing is implemented: every function raises NotImplementedError when called (no image is ever processed by a
-text model). This folder goes on the PYTHONPATH of the SERVER process only (``rollout.sglang_pythonpath``); never
+text model). This folder goes on the PYTHONPATH of the SERVER process only (``rollout.sglang.pythonpath``); never
 on GPU, never in the trainer.
 """
 
