@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 class Inputs:
     nodes: int = 16  # the layout the issue asks about
     gpus_per_node: int = 8
-    tp: int = 4  # rollout TP per engine (recipes/dapo_32b.yaml: sglang_tp)
+    tp: int = 4  # rollout TP per engine (recipes/dapo_32b.yaml: rollout.sglang.tp)
     slots: int = 128  # concurrent samples per engine (derived, see the docstring)
     batch_prompts: int = 512  # DAPO paper
     group_size: int = 16  # DAPO paper
