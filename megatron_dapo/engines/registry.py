@@ -67,11 +67,11 @@ class EngineSpec:
     def make(self, cfg: Any, arch: ArchConfig, info: TokenizerInfo, run_dir: Path, model_path) -> RolloutEngine:
         return self._call("factory", cfg, arch, info, run_dir, model_path)
 
-    def _call(self, field: str, *args):
-        target = getattr(self, field)
+    def _call(self, attr: str, *args):
+        target = getattr(self, attr)
         if target is None:
-            raise ConfigError(f"rollout.engine = {self.name!r} has no {field}")
-        return load_callable(target, f"rollout.engine {self.name!r} {field}")(*args)
+            raise ConfigError(f"rollout.engine = {self.name!r} has no {attr}")
+        return load_callable(target, f"rollout.engine {self.name!r} {attr}")(*args)
 
     def tp(self, cfg: Any) -> int:
         """GPUs (or CPU ranks) one engine spans; 1 for an in-process engine."""
