@@ -76,6 +76,20 @@ def exit_on_terminate() -> None:
         signal.signal(sig, on_terminate)
 
 
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """In a child process: the kernel sends it ``sig`` when its parent dies, even by SIGKILL (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; nothing elsewhere); ``parent``: the pid that started it, exit now if it is already gone
+    (the parent died before this ran). The one place of this workaround: a forked helper or a server wrapper must not
+    outlive the process that owns it."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
+
+
 class StopRequest:
     """A graceful stop asked for by SIGUSR1 (to this process) or by the file named by ``$DAPO_STOP_FILE``.
 

@@ -13,11 +13,11 @@ Transformer Engine spec on GPU and back: TE fuses the pre-attention / pre-MLP no
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_dapo.actor.dist import rng_state, set_rng_state
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.models.arch import ArchConfig, compare_arch
-from megatron_dapo.runs import META_FILE, CheckpointError, checkpoints, dir_bytes, is_complete
+from megatron_dapo.runs import META_FILE, CheckpointError, checkpoints, die_with_parent, dir_bytes, is_complete
 
 FORMAT = "megatron-dapo/1"
 # TE spec key suffix -> canonical (local spec) key suffix
@@ -54,20 +54,8 @@ def use_forked_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+        manager.start(initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
         filesystem_async._results_queue = manager.Queue()
-
-
-def _die_with_parent(parent: int) -> None:
-    """In a forked helper: SIGKILL when the process that forked it dies (Linux ``PR_SET_PDEATHSIG``), and exit now
-    if it already has."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
 
 
 def canonical_key(key: str) -> str:

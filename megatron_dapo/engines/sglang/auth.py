@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_dapo.runs import die_with_parent
+
 API_KEY_ENV = "DAPO_SGLANG_API_KEY"
 SECRET_KEYS = ("api-key", "api_key", "admin-api-key", "admin_api_key")
 REDACTED = b"<redacted>"
@@ -106,16 +108,6 @@ class Redactor:
         return out
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when this wrapper dies (even by SIGKILL), so no server outlives it."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _stop_with_parent(proc: subprocess.Popen, parent: int, grace_s: float = 10.0, every_s: float = 1.0) -> None:
     """A thread: once the process that started this wrapper is gone (the trainer SIGKILLed or crashed: this wrapper
     is then reparented), stop the server, SIGTERM then SIGKILL after ``grace_s``, so that no server outlives its
@@ -148,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,  # SIGTERM to the server when this wrapper dies
     )
 
     def forward(signum, _frame):
