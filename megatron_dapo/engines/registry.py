@@ -41,7 +41,7 @@ class EngineSpec:
     gpu_modules: tuple[tuple[str, str], ...] = ()  # (module, what) its GPU servers import: preflight checks them
     same_node_syncs: tuple[str, ...] = ()  # transports whose handles open on the sender's node only (per-node sync)
     tp_key: str = ""  # the config key of an engine's tensor-parallel size (its GPUs), for messages
-    sync_factory: str | None = None  # (cfg, engine, kind) -> WeightSync for the transports other than copy
+    sync_factory: str | None = None  # (cfg, engine, kind) -> the WeightSync of each of its weight_syncs
     adapter_sync_factory: str | None = None  # (cfg, engine) -> LoRA adapter-only sync; None: merged weights only
     attach_factory: str | None = None  # (cfg, url) -> an engine attached to one running server, to sync it
     concurrency: str | None = None  # (cfg) -> requests in flight per server
@@ -122,6 +122,7 @@ ENGINES: dict[str, EngineSpec] = {
         "megatron_dapo.engines.hf:engine_from_config",
         False,
         ("copy",),
+        sync_factory="megatron_dapo.sync.weight_sync:copy_sync_from_config",
         options=hf_options.HFOptions,
         check=hf_options.validate,
         moved_keys=hf_options.MOVED_KEYS,

@@ -18,7 +18,7 @@ from megatron_dapo.config.run_config import DapoConfig
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.engines.registry import engine_spec, lora_adapter_sync
 from megatron_dapo.loop.control import broadcast, control_group, is_driver, on_driver, set_control_timeout  # noqa: F401
-from megatron_dapo.sync.weight_sync import CopySync, WeightSync
+from megatron_dapo.sync.weight_sync import WeightSync
 from megatron_dapo.types import TokenizerInfo
 
 if TYPE_CHECKING:
@@ -212,8 +212,6 @@ def make_weight_sync(cfg: Any, engine: Any) -> WeightSync:
     spec = engine_spec(r.engine)
     if lora_adapter_sync(cfg):
         return spec.adapter_sync(cfg, engine)
-    if r.weight_sync == "copy":
-        return CopySync(engine, r.verify_sync)
     if r.weight_sync not in spec.weight_syncs:
         raise ConfigError(
             f"rollout.weight_sync = {r.weight_sync!r}: rollout.engine {spec.name!r} takes {', '.join(spec.weight_syncs)}"

@@ -276,3 +276,8 @@ def write_safetensors_dir(directory: str | Path, buckets: Iterable[Bucket], dtyp
         save_file(tensors, str(directory / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
         count += 1
     return count
+
+
+def copy_sync_from_config(cfg: Any, engine: Any, kind: str) -> CopySync:
+    """``rollout.weight_sync: copy`` (engines/registry.py ``sync_factory`` of the in-process engine)."""
+    return CopySync(engine, cfg.rollout.verify_sync)
