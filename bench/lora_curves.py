@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from plotting import save_curves  # noqa: E402  (bench/plotting.py: the script's own folder is on sys.path)
+
 from megatron_dapo.metrics import read_metrics  # noqa: E402
 
 ACC = "eval/synthetic/add2/avg@4"
@@ -130,13 +132,8 @@ def plot(per: dict, path: Path) -> None:
         for i, p in enumerate(per[arm].values()):
             xs, ys = zip(*p["curve"])
             ax.plot(xs, ys, marker="o", color=color, alpha=0.8, label=f"{arm}" if i == 0 else None)
-    ax.set_xlabel("DAPO step (from the shared warm start)")
-    ax.set_ylabel("held-out avg@4 (200 problems)")
-    ax.set_title("demo task: LoRA r16 vs full fine-tuning, 3 seeds")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_curves(fig, ax, path, "DAPO step (from the shared warm start)", "held-out avg@4 (200 problems)",
+                "demo task: LoRA r16 vs full fine-tuning, 3 seeds")  # fmt: skip
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from plotting import save_curves  # noqa: E402  (bench/plotting.py: the script's own folder is on sys.path)
+
 from megatron_dapo.metrics import read_metrics  # noqa: E402
 
 TASK = "synthetic/word_math"
@@ -167,13 +169,8 @@ def plot(per: dict, path: Path, held_out: int) -> None:
         xs, ys = zip(*p["curve"])
         ax.plot(xs, ys, marker="o", label=f"seed {seed}")
         ax.scatter([-3], [p["base_acc"]], color=ax.lines[-1].get_color(), marker="x")
-    ax.set_xlabel("DAPO step (x at -3: the base model, before the format warm start)")
-    ax.set_ylabel(f"held-out accuracy (greedy, {held_out})")
-    ax.set_title("SmolLM2-135M-Instruct, word_math, DAPO on CPU")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_curves(fig, ax, path, "DAPO step (x at -3: the base model, before the format warm start)",
+                f"held-out accuracy (greedy, {held_out})", "SmolLM2-135M-Instruct, word_math, DAPO on CPU")  # fmt: skip
 
 
 def main() -> None:
