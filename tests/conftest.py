@@ -39,7 +39,7 @@ def expected_test_files(roots: list[Path]) -> set[Path]:
     return out
 
 
-SESSION_FOLDERS = ("sglang", "slurm")  # folders whose tests share a session fixture: one worker each
+SESSION_FOLDERS = ("sglang", "slurm", "vllm")  # folders whose tests share a session fixture: one worker each
 
 
 def worker_scope(nodeid: str) -> str:
@@ -53,7 +53,7 @@ def worker_scope(nodeid: str) -> str:
 
 # the order scopes are handed out in (longest first, so no long test is left for the end): the shared-fixture folders,
 # then the files that start whole trainers or torchruns, then the unit tests, many and short
-HAND_OUT_ORDER = ("sglang", "slurm", "e2e", "dist")
+HAND_OUT_ORDER = ("sglang", "slurm", "vllm", "e2e", "dist")
 
 
 def hand_out_rank(nodeid: str) -> int:

@@ -16,6 +16,7 @@ from megatron_dapo.config.plugins import load_callable
 from megatron_dapo.config.typed_yaml import ConfigError
 from megatron_dapo.engines import hf_options
 from megatron_dapo.engines.sglang import options as sglang_options
+from megatron_dapo.engines.vllm import options as vllm_options
 
 if TYPE_CHECKING:
     from megatron_dapo.engines.base import RolloutEngine
@@ -116,6 +117,7 @@ class EngineSpec:
 
 
 _SG = "megatron_dapo.engines.sglang"
+_VL = "megatron_dapo.engines.vllm"
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(
         "hf",
@@ -151,6 +153,29 @@ ENGINES: dict[str, EngineSpec] = {
         options=sglang_options.SGLangOptions,
         check=sglang_options.validate,
         moved_keys=sglang_options.MOVED_KEYS,
+    ),
+    "vllm": EngineSpec(
+        "vllm",
+        f"{_VL}.client:engine_from_config",
+        True,
+        ("disk",),
+        servers=True,
+        package="vllm",
+        gpu_modules=(("vllm", "vLLM"),),
+        tp_key="rollout.vllm.tp",
+        sync_factory=f"{_VL}.sync:sync_from_config",
+        attach_factory=f"{_VL}.client:attach_from_config",
+        concurrency=f"{_SG}.capacity:per_server_concurrency",
+        tp_of=f"{_VL}.server:tp_from_config",
+        device_of=f"{_VL}.server:device_from_config",
+        launch_command_factory=f"{_VL}.launch:launch_command",
+        launch_env_factory=f"{_VL}.launch:launch_env",
+        auth_module=f"{_SG}.auth",
+        memory_factory=f"{_VL}.memory:vllm_arch_terms",
+        fit_mem_fraction_factory=f"{_VL}.memory:fit_mem_fraction",
+        options=vllm_options.VLLMOptions,
+        check=vllm_options.validate,
+        moved_keys=vllm_options.MOVED_KEYS,
     ),
 }
 

@@ -132,7 +132,7 @@ def _rollout(
             return best, None
     assert best is not None
     return best, (
-        f"SGLang does not fit: mem_fraction {best.mem_fraction:.2f} leaves it {best.share / GiB:.1f} GiB/GPU; at "
+        f"the rollout engine ({job.opt.engine}) does not fit: mem_fraction {best.mem_fraction:.2f} leaves it {best.share / GiB:.1f} GiB/GPU; at "
         f"TP{best.engine_tp} its weights take {best.weights / GiB:.1f} GiB and the KV cache holds {best.kv_tokens:,} "
         f"tokens, fewer than {job.opt.min_rollout_seqs} × {job.max_seq} (min_rollout_seqs × max sequence)"
     )

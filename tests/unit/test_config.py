@@ -52,7 +52,7 @@ def test_dotted_overrides_are_typed():
         ("algo.group_size=1", "algo.group_size = 1: dynamic sampling needs at least 2"),
         ("rollout.sampling.max_new_tokens=100", "rollout.sampling.max_new_tokens = 100"),
         ("train.mini_batch_prompts=5", "train.mini_batch_prompts = 5: must divide"),
-        ("rollout.engine=vllm", "rollout.engine = 'vllm': must be one of"),
+        ("rollout.engine=trtllm", "rollout.engine = 'trtllm': must be one of"),
         ("rollout.hf.max_batch=0", "rollout.hf.max_batch = 0: must be >= 1"),
         ("rollout.max_restarts_per_step=-1", "rollout.max_restarts_per_step = -1: must be >= 0"),
         ("model.arch=no-such-model", "unknown model config 'no-such-model'"),

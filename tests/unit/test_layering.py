@@ -22,7 +22,15 @@ LAYERS = [
 # Modules whose layer is not their package's: an engine's config block and the registry of engines are config (the
 # config builds RolloutConfig from them, so that no config module names an engine); they import config's typing only
 # (and the packages' empty __init__ files, which any import of them runs)
-CONFIG_LEVEL = ("engines", "engines.sglang", "engines.registry", "engines.hf_options", "engines.sglang.options")
+CONFIG_LEVEL = (
+    "engines",
+    "engines.sglang",
+    "engines.registry",
+    "engines.hf_options",
+    "engines.sglang.options",
+    "engines.vllm",
+    "engines.vllm.options",
+)
 
 
 def layer_of(module: str) -> int | None:

@@ -53,8 +53,11 @@ def new_api_key() -> str:
     return secrets.token_hex(32)
 
 
-def write_args_file(path: str | Path, key: str, extra: dict | None = None) -> Path:
-    """Write SGLang's ``--config`` YAML with the key, mode 0600 from its creation (no window where others can read)."""
+def write_args_file(
+    path: str | Path, key: str, extra: dict | None = None, keys: tuple[str, ...] = ("api-key", "admin-api-key")
+) -> Path:
+    """Write a server's ``--config`` YAML with the key under ``keys`` (SGLang's two; vLLM's ``--config`` knows only
+    ``api-key``), mode 0600 from its creation (no window where others can read)."""
     import yaml
 
     path = Path(path)
@@ -66,7 +69,7 @@ def write_args_file(path: str | Path, key: str, extra: dict | None = None) -> Pa
     path.unlink(missing_ok=True)  # a file of another mode is replaced, never reused
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        yaml.safe_dump({**(extra or {}), "api-key": key, "admin-api-key": key}, f)
+        yaml.safe_dump({**(extra or {}), **dict.fromkeys(keys, key)}, f)
     return path
 
 

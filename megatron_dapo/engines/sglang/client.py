@@ -410,8 +410,8 @@ class SGLangEngine(Aborts):
             attempts[i] = attempts.get(i, 0) + 1
             rid = f"{tag}-{i}-{attempts[i]}"
             r = requests[i]  # a resumed sample: a fresh stream of draws (SGLang cannot skip into one)
-            req = self._request(r.input_ids, sampling, sample_seed(r.seed, r.offset, 1) if r.offset else r.seed, rid)
-            req.sampling_params.max_new_tokens = requests[i].max_new_tokens
+            seed = sample_seed(r.seed, r.offset, 1) if r.offset else r.seed
+            req = self._request(r.input_ids, sampling, seed, rid, max_new_tokens=r.max_new_tokens)
             url = self._pick_url(routes, requests[i].route, rid, retry=attempts[i] > 1)
             pending[self._pools[url].submit(self._run, (i, 0), req, gen, url)] = i
 
@@ -434,12 +434,14 @@ class SGLangEngine(Aborts):
                         continue
                 yield result
 
-    def _request(self, prompt: list[int], sp: SamplingParams, seed: int | None, rid: str) -> T.GenerateRequest:
+    def _request(
+        self, prompt: list[int], sp: SamplingParams, seed: int | None, rid: str, max_new_tokens: int | None = None
+    ) -> T.GenerateRequest:
         stop = sorted(set(sp.stop_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer else ()))
         return T.GenerateRequest(
             input_ids=list(prompt),
             sampling_params=T.SGLangSamplingParams(
-                max_new_tokens=sp.max_new_tokens,
+                max_new_tokens=max_new_tokens or sp.max_new_tokens,
                 temperature=sp.temperature,
                 top_p=sp.top_p,
                 top_k=sp.top_k if sp.top_k > 0 else -1,

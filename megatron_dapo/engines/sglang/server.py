@@ -161,6 +161,8 @@ def http_call(
 class SGLangServer:
     """One SGLang server: a subprocess this object started, or an attached URL (never stopped by us)."""
 
+    ARGS_FILE_KEYS = ("api-key", "admin-api-key")  # the key's names in its --config file (auth.write_args_file)
+
     def __init__(
         self,
         model_path: str | Path | None = None,
@@ -241,7 +243,7 @@ class SGLangServer:
         if self.proc is not None and self.proc.poll() is None:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        write_args_file(self.args_file, api_key())
+        write_args_file(self.args_file, api_key(), keys=self.ARGS_FILE_KEYS)
         # the server reads its key from the file; a trainer's torch.distributed rendezvous is not the server's
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV and k not in TORCH_LAUNCH_VARS}
         with open(self.log_path, "ab") as logf:
