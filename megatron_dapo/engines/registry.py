@@ -7,6 +7,7 @@ module) and one entry here (docs/extending.md); no module outside ``engines/`` n
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ class EngineSpec:
     # runs when colocated); False: the engine runs inside the trainer's process
     servers: bool = False
     package: str | None = None  # the Python package its servers import (rollout.fallback_hf, preflight)
+    # (cfg) -> whether its servers can start here (their interpreter finds ``package``); None: this interpreter does
+    installed_factory: str | None = None
     gpu_modules: tuple[tuple[str, str], ...] = ()  # (module, what) its GPU servers import: preflight checks them
     same_node_syncs: tuple[str, ...] = ()  # transports whose handles open on the sender's node only (per-node sync)
     tp_key: str = ""  # the config key of an engine's tensor-parallel size (its GPUs), for messages
@@ -112,6 +115,12 @@ class EngineSpec:
     def fit_mem_fraction(self, arch: Any, tp: int, gpu_bytes: float, *rooms: float) -> float:
         return self._call("fit_mem_fraction_factory", arch, tp, gpu_bytes, *rooms)
 
+    def installed(self, cfg: Any) -> bool:
+        """Its servers' package is there (an in-process engine: always)."""
+        if self.installed_factory:
+            return bool(self._call("installed_factory", cfg))
+        return self.package is None or importlib.util.find_spec(self.package) is not None
+
     def per_server_concurrency(self, cfg: Any) -> int:
         return int(self._call("concurrency", cfg)) if self.concurrency else 0
 
@@ -161,6 +170,7 @@ ENGINES: dict[str, EngineSpec] = {
         ("disk",),
         servers=True,
         package="vllm",
+        installed_factory=f"{_VL}.server:installed",
         gpu_modules=(("vllm", "vLLM"),),
         tp_key="rollout.vllm.tp",
         sync_factory=f"{_VL}.sync:sync_from_config",

@@ -52,15 +52,15 @@ from megatron_dapo.types import Sequence
 def prepare_model_and_engine(cfg: DapoConfig) -> None:
     """``model.hf_init = gguf:...`` becomes its cached HF directory (``gguf.resolve_hf_dir``, built once); with
     ``rollout.fallback_hf`` and no sglang installed, the HF engine generates instead (said here, at start)."""
-    import importlib.util
 
     from megatron_dapo.models.gguf import resolve_hf_dir
 
     log = (lambda s: print(f"model: {s}", flush=True)) if is_driver() else (lambda s: None)
     cfg.model.hf_init = resolve_hf_dir(cfg.model.hf_init, log)
     r = cfg.rollout
-    package = engine_spec(r.engine).package
-    if package and r.fallback_hf and importlib.util.find_spec(package) is None:
+    spec = engine_spec(r.engine)
+    package = spec.package
+    if package and r.fallback_hf and not spec.installed(cfg):
         if is_driver():
             print(
                 f"rollout: {package} is not installed: the in-process HF engine generates instead "

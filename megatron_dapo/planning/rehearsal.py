@@ -199,15 +199,16 @@ def _phases(cls: RankClass, cfg: DapoConfig, layout, sync: SyncPlan, step=None) 
     acts = Term("trainer activations", stage.activations, stage.activations, "memory model (not built on meta)")
     logits = Term("trainer logits", stage.logits, stage.logits, "memory model")
     overhead = Term("overhead", o.overhead_gb * GiB, o.overhead_gb * GiB, "CUDA context, NCCL, fragmentation")
-    released = Term("SGLang (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
-    sg = r.engine_terms  # the engine's own sizing (SGLang's: engines/sglang/memory.py, each term cited from its code)
-    engine_weights = Term("SGLang weights", sync.model_bytes / r.engine_tp, sg.weights, f"HF model / TP{r.engine_tp}")
+    sg = r.engine_terms  # the engine's own sizing (engines/<engine>/memory.py, each term cited from its code)
+    name = sg.LABEL
+    released = Term(f"{name} (released)", o.rollout_residual_gb * GiB, stage.rollout, "context, allocator")
+    engine_weights = Term(f"{name} weights", sync.model_bytes / r.engine_tp, sg.weights, f"HF model / TP{r.engine_tp}")
     kv = Term(
-        "SGLang KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens"
+        f"{name} KV cache", sg.kv_cache, sg.kv_cache, f"mem_fraction {sg.mem_fraction:.2f}: {sg.kv_tokens:,} tokens"
     )
-    others = sg.startup - sg.weights - sg.kv_cache
-    graphs = Term("SGLang outside mem_fraction", others, others, "request table, CUDA graphs, runtime (SGLang's)")
-    prefill = Term("SGLang activations", sg.activations, sg.activations, "SGLang's reserve for a prefill chunk")
+    others = sg.rollout - sg.weights - sg.kv_cache - sg.activations
+    graphs = Term(f"{name} outside mem_fraction", others, others, f"request table, CUDA graphs, runtime ({name}'s)")
+    prefill = Term(f"{name} activations", sg.activations, sg.activations, f"{name}'s reserve for a prefill chunk")
     bucket = Term("sync bucket + flat copy", 2.0 * sync.largest, None, "largest bucket and its flattened copy")
     ex = sync.export
     in_flight = ex.rank0_device_bytes if cls.role == "driver" else ex.other_device_bytes

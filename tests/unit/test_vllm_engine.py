@@ -153,3 +153,19 @@ def test_the_guard_wants_the_key_everywhere_but_the_probes():
         assert _call(guard, path, "Basic k3y") == 401
         assert _call(guard, path, "Bearer k3y") == 200
     assert _call(guard, "/health", None) == 200
+
+
+def test_the_server_interpreter_decides_whether_vllm_is_installed(tmp_path):
+    """rollout.fallback_hf asks the servers' interpreter (vLLM has its own venv on a CPU), not the trainer's."""
+    spec = engine_spec("vllm")
+    cfg = load_config("demo_cpu", ["rollout.engine=vllm", "rollout.weight_sync=disk", "rollout.vllm.device=cpu",
+                                   "rollout.colocate=false"])  # fmt: skip
+    fake = tmp_path / "python"
+    for finds, code in ((True, 0), (False, 1)):
+        fake.write_text(f"#!/bin/sh\nexit {code}\n")
+        fake.chmod(0o755)
+        cfg.rollout.vllm.python = str(fake)
+        assert spec.installed(cfg) is finds
+    cfg.rollout.vllm.python = str(tmp_path / "missing")
+    assert spec.installed(cfg) is False
+    assert engine_spec("hf").installed(cfg)

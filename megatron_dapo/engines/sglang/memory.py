@@ -36,6 +36,7 @@ Not in SGLang's code: the CUDA context (``CUDA_CONTEXT_BYTES``) and how much mem
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -208,6 +209,8 @@ WHY = {
 @dataclass(frozen=True)
 class SGLangMemory:
     """One TP rank of an SGLang server: its settings as SGLang resolves them and its bytes, term by term."""
+
+    LABEL: ClassVar[str] = "SGLang"  # how tables name the engine
 
     mem_fraction: float
     chunked_prefill_size: int

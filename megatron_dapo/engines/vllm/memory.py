@@ -22,6 +22,7 @@ max_num_seqs 1024; under 70 GiB: 2048 and 256."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron_dapo.engines.sglang.memory import CUDA_CONTEXT_BYTES, kv_cell_bytes
 
@@ -49,6 +50,8 @@ def activation_bytes(arch, tp: int, tokens: int, seqs: int) -> float:
 @dataclass(frozen=True)
 class VLLMMemory:
     """One TP rank of a vLLM server: its settings as vLLM resolves them and its bytes, term by term."""
+
+    LABEL: ClassVar[str] = "vLLM"  # how tables name the engine
 
     mem_fraction: float  # gpu_memory_utilization
     max_num_batched_tokens: int

@@ -101,6 +101,21 @@ def common_args(model: str, host: str, port: int, tp: int, mem_fraction: float) 
     ]  # fmt: skip
 
 
+def installed(cfg) -> bool:
+    """Whether the servers' interpreter (``rollout.vllm.python``, else this one) finds vllm; it is not imported."""
+    import importlib.util
+    import subprocess
+
+    python = cfg.rollout.vllm.python
+    if not python:
+        return importlib.util.find_spec("vllm") is not None
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return Path(python).is_file() and subprocess.run([python, "-c", probe], timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def tp_from_config(cfg) -> int:
     return cfg.rollout.vllm.tp
 
