@@ -102,7 +102,7 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in engines}
         tokens: dict[str, list[int]] = {k: [] for k in engines}
         for r in range(args.repeats):
-            for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            for name in list(engines) if r % 2 == 0 else list(reversed(engines)):
                 t0 = time.perf_counter()
                 out = engines[name].generate(prompts, sampling, n=args.n)
                 times[name].append(time.perf_counter() - t0)

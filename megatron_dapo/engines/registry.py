@@ -167,7 +167,7 @@ ENGINES: dict[str, EngineSpec] = {
         "vllm",
         f"{_VL}.client:engine_from_config",
         True,
-        ("disk",),
+        ("disk", "distributed"),
         servers=True,
         package="vllm",
         installed_factory=f"{_VL}.server:installed",

@@ -49,6 +49,13 @@ def validate(cfg: Any, fail: Callable[[str, Any, str], None]) -> None:
              "on its own GPUs and never release their memory: set rollout.server_urls=[URL, ...], or "
              "cluster.placement=disaggregated and run `dapo launch`, or rollout.colocate=true with "
              "rollout.schedule=sync")  # fmt: skip
+    if r.weight_sync == "distributed" and v.device == "cpu":
+        fail("rollout.weight_sync", r.weight_sync, "vLLM's weight transfer is NCCL (distributed/weight_transfer/"
+             "nccl_engine.py): GPUs only; on CPU cores use rollout.weight_sync=disk")  # fmt: skip
+    if r.weight_sync == "distributed" and r.colocate and v.device == "cuda":
+        fail("rollout.weight_sync", r.weight_sync, "with rollout.colocate = true the transfer group would hold "
+             "trainer rank 0 and a vLLM worker on one GPU, and NCCL refuses two ranks of a group on one device: use "
+             "rollout.weight_sync=disk, or rollout.colocate=false with cluster.placement=disaggregated")  # fmt: skip
     sp = r.sampling
     if sp.top_p < 1 or sp.top_k > 0:  # evaluation (eval.top_p) samples without logprobs: not concerned
         key, value = ("rollout.sampling.top_p", sp.top_p) if sp.top_p < 1 else ("rollout.sampling.top_k", sp.top_k)

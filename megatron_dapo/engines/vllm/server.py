@@ -148,6 +148,8 @@ def server_args(cfg) -> list[str]:
         args += ["--tokenizer", cfg.model.tokenizer]
     if routes_wanted(r.routing_replay, arch):  # per response [tokens, layers, top-k] (config/vllm.py:1135-1177)
         args.append("--enable-return-routed-experts")
+    if r.weight_sync == "distributed":  # vLLM's NCCL weight transfer (nccl_sync.py; config/weight_transfer.py:12)
+        args += ["--weight-transfer-config", '{"backend": "nccl"}']
     return args + list(r.vllm.args)
 
 

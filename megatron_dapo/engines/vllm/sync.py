@@ -17,9 +17,8 @@
 * ``POST /update_weight_version`` (api_router.py:214-220) records the version the server reports.
 
 A server put to sleep (colocated GPUs: ``VLLMEngine.sleep``) is already paused: it is neither paused nor resumed
-here (its scheduling resumes when all its memory is awake). On GPUs vLLM has NCCL and CUDA-IPC transfers
-(``--weight-transfer-config``, distributed/weight_transfer/nccl_engine.py, ipc_engine.py); they are not wired up
-here yet (docs/guides/engines.md): ``rollout.weight_sync`` takes ``disk`` for vLLM.
+here (its scheduling resumes when all its memory is awake). On GPUs ``rollout.weight_sync=distributed`` is vLLM's
+NCCL weight transfer (``nccl_sync.py``) with the same pause and verification; CUDA IPC (same node) is not wired up.
 """
 
 from __future__ import annotations
@@ -136,12 +135,20 @@ class VLLMDiskSync(WeightSync):
 
 
 def sync_from_config(cfg: Any, engine: Any, kind: str) -> VLLMDiskSync:
-    """The transport ``kind`` (rollout.weight_sync; vLLM takes disk) into ``engine``'s servers, verified per
-    ``rollout.verify_sync`` (engines/registry.py ``sync_factory``)."""
+    """The transport ``kind`` (rollout.weight_sync: disk, or distributed on GPUs: vLLM's NCCL weight transfer,
+    ``nccl_sync.py``) into ``engine``'s servers, verified per ``rollout.verify_sync`` (engines/registry.py
+    ``sync_factory``)."""
     from megatron_dapo.models.arch import load_arch
+    from megatron_dapo.ports import JobPorts
 
-    if kind != "disk":
-        raise ValueError(f"rollout.weight_sync = {kind!r}: vLLM takes disk (its NCCL/IPC transfers are not wired up)")
+    if kind not in ("disk", "distributed"):
+        raise ValueError(f"rollout.weight_sync = {kind!r}: vLLM takes disk or distributed")
     directory = Path(cfg.train.run_dir) / cfg.train.name / "weight_sync"
-    return VLLMDiskSync(engine, cfg.rollout.verify_sync, head_dim=load_arch(cfg.model.arch).head_dim,
-                        directory=directory)  # fmt: skip
+    head_dim = load_arch(cfg.model.arch).head_dim
+    if kind == "disk":
+        return VLLMDiskSync(engine, cfg.rollout.verify_sync, head_dim=head_dim, directory=directory)
+    from megatron_dapo.engines.vllm.nccl_sync import VLLMNcclSync
+
+    job_ports = JobPorts.from_env()
+    return VLLMNcclSync(engine, cfg.rollout.verify_sync, head_dim=head_dim, directory=directory,
+                        master_port=job_ports.weight_sync if job_ports else None)  # fmt: skip
