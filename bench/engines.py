@@ -8,7 +8,8 @@
 2. Weight sync: each engine's CPU transport of the demo (SGLang ``tensor``, vLLM ``disk``), verified, ``--repeats``
    times; seconds.
 3. Training: ``dapo train`` of ``demo_cpu_sglang`` and ``demo_cpu_vllm`` for ``--steps`` DAPO steps without the
-   supervised warm start (the step time, not the learning); the median seconds per step and its parts.
+   supervised warm start and dynamic sampling (the step time, not the learning: an untrained model gets every group
+   wrong); the median seconds per step and its parts.
 Writes ``--out`` (JSON). Needs sglang in .venv and .venv-vllm (``make test`` makes both).
 """
 
@@ -53,7 +54,8 @@ def _syncs(engines: dict, work: Path) -> dict:
 
 def _train(recipe: str, steps: int, run_dir: Path) -> dict:
     cmd = [str(REPO / ".venv" / "bin" / "dapo"), "train", "--recipe", recipe, f"train.steps={steps}",
-           f"train.run_dir={run_dir}", "train.supervised_warmup_steps=0", "train.export_hf=false", "eval.interval=0",
+           f"train.run_dir={run_dir}", "train.supervised_warmup_steps=0", "algo.dynamic_sampling=false",
+           "train.export_hf=false", "eval.interval=0",
            "train.save_interval=0"]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
