@@ -379,14 +379,18 @@ def device_from_config(cfg) -> str:
 
 
 def server_dtype(cfg) -> str:
-    """The servers' weight dtype (fp32/bf16/fp16): rollout.dtype, None = model.dtype, auto = bf16 on GPUs and on CPUs
+    """The servers' weight dtype (fp32/bf16/fp16): ``rollout_dtype`` on SGLang's device."""
+    return rollout_dtype(cfg, cfg.rollout.sglang.device)
+
+
+def rollout_dtype(cfg, device: str) -> str:
+    """A server engine's weight dtype on ``device``: rollout.dtype, None = model.dtype, auto = bf16 on GPUs and on CPUs
     with bf16 units, else fp32. Decided where the servers are started or their commands written (dapo launch on a CPU
     cluster assumes its nodes are alike)."""
-    r = cfg.rollout
-    dtype = r.dtype or cfg.model.dtype
+    dtype = cfg.rollout.dtype or cfg.model.dtype
     if dtype != "auto":
         return dtype
-    return "bf16" if r.sglang.device == "cuda" or cpu_has_bf16_units() else "fp32"
+    return "bf16" if device == "cuda" or cpu_has_bf16_units() else "fp32"
 
 
 def server_args(cfg) -> list[str]:

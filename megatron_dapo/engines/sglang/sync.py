@@ -182,17 +182,23 @@ class DiskSync(SGLangSync):
 
     def _send(self, buckets: Iterable[list], version: int, workers: list | None) -> None:
         servers = self._servers(workers)
-        write_safetensors_dir(self.directory, buckets, self.dtype)
-        src = next((Path(s.model_path) for s in servers if s.model_path and Path(s.model_path).is_dir()), None)
-        if src is not None:  # config/tokenizer files beside the weights, for loaders that read them
-            for f in src.iterdir():
-                if f.is_file() and f.suffix in (".json", ".txt", ".model") and not f.name.endswith(".index.json"):
-                    shutil.copy2(f, self.directory / f.name)
+        write_weights_dir(self.directory, buckets, self.dtype, servers)
         req = T.UpdateWeightsFromDiskRequest(
             model_path=str(self.directory), weight_version=str(version), flush_cache=False
         )
         self._post(servers, "/update_weights_from_disk", req.to_json())
         self._flush(servers)
+
+
+def write_weights_dir(directory: Path, buckets: Iterable[list], dtype: torch.dtype, servers: list) -> None:
+    """The weights as safetensors in ``directory``, with the config/tokenizer files of the servers' model directory
+    beside them (loaders that read them); the disk transports of SGLang and vLLM."""
+    write_safetensors_dir(directory, buckets, dtype)
+    src = next((Path(s.model_path) for s in servers if s.model_path and Path(s.model_path).is_dir()), None)
+    if src is not None:
+        for f in src.iterdir():
+            if f.is_file() and f.suffix in (".json", ".txt", ".model") and not f.name.endswith(".index.json"):
+                shutil.copy2(f, directory / f.name)
 
 
 def start_shm_manager_detached() -> None:

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_dapo.engines.sglang.server import DTYPE_NAMES, SGLangServer, cpu_has_bf16_units, server_pythonpath
+from megatron_dapo.engines.sglang.server import DTYPE_NAMES, SGLangServer, rollout_dtype, server_pythonpath
 
 GiB = 1 << 30
 WORKER_EXTENSION = "megatron_dapo.engines.vllm.worker_ext.DapoWorkerExtension"
@@ -126,11 +126,7 @@ def device_from_config(cfg) -> str:
 
 def server_dtype(cfg) -> str:
     """As SGLang's (``rollout.dtype``; auto = bf16 on GPUs and on CPUs with bf16 units, else fp32)."""
-    r = cfg.rollout
-    dtype = r.dtype or cfg.model.dtype
-    if dtype != "auto":
-        return dtype
-    return "bf16" if r.vllm.device == "cuda" or cpu_has_bf16_units() else "fp32"
+    return rollout_dtype(cfg, cfg.rollout.vllm.device)
 
 
 def server_args(cfg) -> list[str]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,7 +34,8 @@ import torch
 
 from megatron_dapo.engines.sglang.layout import ServerChecksums
 from megatron_dapo.engines.sglang.server import http_call
-from megatron_dapo.sync.weight_sync import SyncReport, WeightSync, write_safetensors_dir
+from megatron_dapo.engines.sglang.sync import write_weights_dir
+from megatron_dapo.sync.weight_sync import SyncReport, WeightSync
 from megatron_dapo.types import Bucket, RolloutError, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,7 @@ class VLLMDiskSync(WeightSync):
 
     def _send(self, buckets: Iterable[list], version: int, workers: list | None) -> None:
         servers = self._servers(workers)
-        write_safetensors_dir(self.directory, buckets, self.dtype)
-        src = next((Path(s.model_path) for s in servers if s.model_path and Path(s.model_path).is_dir()), None)
-        if src is not None:  # config/tokenizer files beside the weights, for loaders that read them
-            for f in src.iterdir():
-                if f.is_file() and f.suffix in (".json", ".txt", ".model") and not f.name.endswith(".index.json"):
-                    shutil.copy2(f, self.directory / f.name)
+        write_weights_dir(self.directory, buckets, self.dtype, servers)
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(self.directory)}}
         self._post(servers, "/collective_rpc", body)
 
